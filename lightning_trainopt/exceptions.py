@@ -1,0 +1,75 @@
+"""The one exceptions module of lightning_trainopt.
+
+Every error raised for user input names the config key, the value it got, and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "IncompatibleConfigError",
+    "MissingDependencyError",
+    "TrainOptError",
+    "UnsupportedHardwareError",
+]
+
+
+class TrainOptError(Exception):
+    """Base class of every error lightning_trainopt raises on purpose."""
+
+
+class ConfigError(TrainOptError, ValueError):
+    """A config value is invalid.
+
+    Args:
+        key: the dotted config key, e.g. ``optimizer.lr``.
+        value: the value it was given.
+        fix: what to do instead, one sentence.
+    """
+
+    def __init__(self, key: str, value: Any, fix: str) -> None:
+        self.key = key
+        self.value = value
+        self.fix = fix
+        super().__init__(f"{key}={value!r} is invalid: {fix}")
+
+
+class IncompatibleConfigError(TrainOptError, ValueError):
+    """A combination of options is known to break (refused by a pre-flight check).
+
+    Args:
+        keys: the config keys and values involved, e.g. ``{"precision": "fp8", "strategy": "zero2"}``.
+        reason: why the combination breaks (with a reference where there is one).
+        fix: the alternative to use.
+    """
+
+    def __init__(self, keys: dict[str, Any], reason: str, fix: str) -> None:
+        self.keys = dict(keys)
+        self.reason = reason
+        self.fix = fix
+        combo = " + ".join(f"{k}={v!r}" for k, v in self.keys.items())
+        super().__init__(f"{combo} is refused: {reason} Fix: {fix}")
+
+
+class MissingDependencyError(TrainOptError, ImportError):
+    """An optional dependency is not installed.
+
+    Args:
+        package: the import name that is missing.
+        extra: the pip extra of lightning_trainopt that installs it.
+        feature: what needs it.
+    """
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        self.package = package
+        self.extra = extra
+        super().__init__(
+            f"{feature} needs the package {package!r}, which is not installed. "
+            f"Install it with: pip install 'lightning_trainopt[{extra}]'"
+        )
+
+
+class UnsupportedHardwareError(TrainOptError, RuntimeError):
+    """The requested feature cannot run on this machine's hardware."""

@@ -1,0 +1,118 @@
+"""LightningModule around the demo transformer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+from typing_extensions import override
+
+from lightning_trainopt.core.schedules import check_warmup_cosine, warmup_cosine_factor
+from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.models.gpt import GPT
+
+__all__ = ["LitGPT", "warmup_cosine"]
+
+OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
+
+
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+) -> LambdaLR:
+    """Linear warmup then cosine decay to ``min_lr_ratio`` of the peak, stepped once per optimizer step."""
+    check_warmup_cosine(warmup_steps, total_steps, min_lr_ratio)
+    return LambdaLR(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, total_steps, min_lr_ratio))
+
+
+class LitGPT(pl.LightningModule):
+    """Next-token language modelling with :class:`~lightning_trainopt.models.GPT`.
+
+    The model is built in ``configure_model`` so that ZeRO-3 and FSDP can shard it while it is created.
+
+    Args:
+        model: the model's shape (a :class:`GPTConfig` or its fields as a dict).
+        optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
+        scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
+        compile: ``torch.compile`` the inner model (never the LightningModule, whose ``self.log`` cannot be traced).
+
+    Example::
+
+        module = LitGPT(GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=172))
+    """
+
+    def __init__(
+        self,
+        model: GPTConfig | dict[str, Any],
+        optimizer: OptimizerFactory | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.save_hyperparameters({"model": asdict(self.config), "compile": compile})
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.compile = compile
+        self.model: torch.nn.Module | None = None
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = GPT(self.config)
+        self.model = torch.compile(model) if self.compile else model
+
+    @property
+    def gpt(self) -> GPT:
+        """The plain :class:`GPT` (under a compile wrapper, if any)."""
+        if self.model is None:
+            self.configure_model()
+        assert self.model is not None
+        return getattr(self.model, "_orig_mod", self.model)
+
+    @override
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=batch[0].shape[0])
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch[0].shape[0])
+        return loss
+
+    def param_groups(self, weight_decay: float | None = None) -> list[dict[str, Any]]:
+        """Weight decay on matrices only; norms and other 1-D parameters are not decayed."""
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if weight_decay is not None:
+            groups[0]["weight_decay"] = weight_decay
+        return [g for g in groups if g["params"]]
+
+    @override
+    def configure_optimizers(self) -> Any:
+        params = self.param_groups()
+        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=3e-4)
+        if self.scheduler_factory is None:
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = self.scheduler_factory(optimizer, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
