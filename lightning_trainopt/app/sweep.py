@@ -1,0 +1,83 @@
+"""Hydra callback that writes ``sweep_summary.md`` and ``sweep_summary.csv`` at the end of a multirun."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["SweepSummary", "collect_jobs", "write_summary"]
+
+log = logging.getLogger(__name__)
+
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "model",
+    "strategy",
+    "zero_stage",
+    "precision",
+    "world_size",
+    "global_step",
+    "train_loss",
+    "val_loss",
+    "tokens_per_sec",
+    "wall_seconds",
+)
+
+
+def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job directory of the sweep: its overrides and its metrics.json (status ``missing`` if none)."""
+    rows = []
+    job_dirs = [p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()]
+    for job in sorted(job_dirs, key=lambda p: (len(p.name), p.name)):
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+        metrics_file = job / "metrics.json"
+        metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {"status": "missing"}
+        rows.append({"job": job.name, "overrides": " ".join(map(str, overrides or [])), **metrics})
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_summary(sweep_dir: Path) -> tuple[Path, Path]:
+    """Write the markdown and CSV summaries of ``sweep_dir``; return their paths."""
+    rows = collect_jobs(sweep_dir)
+    extra = sorted({k for r in rows for k, v in r.items() if k not in COLUMNS and not isinstance(v, (dict, list))})
+    columns = [*COLUMNS, *extra]
+    csv_path = sweep_dir / "sweep_summary.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: r.get(c) for c in columns})
+    md_path = sweep_dir / "sweep_summary.md"
+    lines = [f"# Sweep summary: {sweep_dir}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    lines += ["", f"{len(rows)} job(s); every metrics.json column is in {csv_path.name}.", ""]
+    md_path.write_text("\n".join(lines))
+    return md_path, csv_path
+
+
+class SweepSummary(Callback):
+    """Registered under ``hydra.callbacks`` in ``conf/hydra/default.yaml``; fires once, in the sweep's own process."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        md, _ = write_summary(sweep_dir)
+        log.info("sweep summary written to %s", md)

@@ -1,0 +1,212 @@
+"""``train(cfg) -> dict``: assemble a Lightning Trainer from the Hydra config tree, fit, and report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env
+from lightning_trainopt.app.report import print_summary
+from lightning_trainopt.app.run_clock import RunClock
+from lightning_trainopt.app.validate import validate_config
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models import LitGPT
+from lightning_trainopt.precision import trainer_precision_kwargs
+
+__all__ = ["output_dir", "train"]
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """The run's output directory: Hydra's, else ``cfg.output_dir``, else the working directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("output_dir") or os.getcwd())
+
+
+def _instantiate_named(group: DictConfig | None) -> list[Any]:
+    """Instantiate every ``name: {_target_: ...}`` entry of a group such as ``callbacks`` or ``logger``."""
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """A checkpoint path as given, or ``last``: the newest checkpoint under ``<run_dir>/checkpoints``."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        ckpt_dir = run_dir / "checkpoints"
+        found = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if ckpt_dir.is_dir() else []
+        if not found:
+            raise ConfigError(
+                "ckpt_path",
+                "last",
+                f"no checkpoint in {ckpt_dir}; point hydra.run.dir at the run to resume, or give a checkpoint path.",
+            )
+        return str(found[-1])
+    if not Path(ckpt_path).exists():
+        raise ConfigError("ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path or 'last'.")
+    return ckpt_path
+
+
+def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int) -> Any:
+    if cfg.get("strategy") is None:
+        return "auto"
+    from lightning_trainopt.strategies import build_strategy
+
+    return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size)
+
+
+def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
+    if cfg.get("strategy") is None:
+        return {"strategy": type(trainer.strategy).__name__.removesuffix("Strategy").lower(), "zero_stage": None}
+    from lightning_trainopt.strategies import strategy_info
+
+    return strategy_info(trainer)
+
+
+def _callback_summaries(trainer: pl.Trainer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cb in trainer.callbacks:
+        summary = getattr(cb, "summary", None)
+        if callable(summary):
+            out.update(summary())
+    return out
+
+
+def _final_validation(trainer: pl.Trainer, module: LitGPT, dm: pl.LightningDataModule, clock: RunClock) -> None:
+    """Validate at the final step unless the fit loop just did, so ``val_loss`` describes the final weights."""
+    if clock.last_val_step != trainer.global_step and trainer.limit_val_batches:
+        trainer.validate(module, datamodule=dm, verbose=False)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit the configured model and return the run's metrics (also written to ``metrics.json`` on rank 0).
+
+    Every config value is checked before anything is built or spawned.
+
+    Args:
+        cfg: the composed config of ``conf/train.yaml``.
+
+    Raises:
+        ConfigError: a config value is invalid.
+        IncompatibleConfigError: a combination of options is known to break.
+    """
+    validate_config(cfg)
+    from lightning_trainopt.app.preflight import preflight
+
+    for advice in preflight(cfg):
+        log.warning(advice)
+
+    run_dir = output_dir(cfg)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    precision = instantiate(cfg.precision)
+    model_cfg = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data)
+    datamodule.check_source()
+    module = LitGPT(
+        model_cfg,
+        optimizer=instantiate(cfg.optimizer),
+        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
+        compile=bool(cfg.get("compile", False)),
+    )
+    clock = RunClock()
+    callbacks = [clock, *_instantiate_named(cfg.get("callbacks")), *_instantiate_named(cfg.get("activations"))]
+    loggers = _instantiate_named(cfg.get("logger"))
+    strategy = _build_strategy(cfg, precision, cfg.data.batch_size)
+
+    env = snapshot_env()
+    prepare_child_command(run_dir)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(trainer_kwargs, dict)
+    trainer = pl.Trainer(
+        **trainer_kwargs,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=loggers or False,
+        default_root_dir=str(run_dir),
+        **trainer_precision_kwargs(precision, strategy),
+    )
+    status = "ok"
+    t0 = time.perf_counter()
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        _final_validation(trainer, module, datamodule, clock)
+    except torch.OutOfMemoryError:
+        if not cfg.get("continue_on_oom", False):
+            raise
+        status = "oom"
+        log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
+    wall = time.perf_counter() - t0
+
+    metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall)
+    if trainer.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, default=str))
+        print_summary(metrics, run_dir / METRICS_FILE)
+    _teardown_distributed()
+    restore_env(env)
+    return metrics
+
+
+def _collect_metrics(
+    cfg: DictConfig,
+    trainer: pl.Trainer,
+    module: LitGPT,
+    clock: RunClock,
+    precision: Any,
+    status: str,
+    wall: float,
+) -> dict[str, Any]:
+    cb = trainer.callback_metrics
+    world = trainer.world_size
+    tokens_this_run = clock.local_tokens * world
+    metrics: dict[str, Any] = {
+        "status": status,
+        "model": cfg.model.name,
+        "n_params": module.config.n_params(),
+        **_strategy_info(trainer, cfg),
+        "precision": precision.name,
+        "trainer_precision": precision.trainer_precision,
+        "world_size": world,
+        "devices": trainer.num_devices,
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
+        "micro_batch_size": cfg.data.batch_size,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "global_batch_size": cfg.data.batch_size * trainer.accumulate_grad_batches * world,
+        "seq_len": cfg.data.seq_len,
+        "global_step": trainer.global_step,
+        "train_loss": float(cb["train_loss"]) if "train_loss" in cb else None,
+        "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
+        "tokens_seen": trainer.global_step * trainer.accumulate_grad_batches * cfg.data.batch_size
+        * cfg.data.seq_len * world,
+        "tokens_this_run": tokens_this_run,
+        "tokens_per_sec": tokens_this_run / clock.train_seconds if clock.train_seconds > 0 else None,
+        "train_seconds": clock.train_seconds,
+        "wall_seconds": wall,
+    }
+    metrics.update(_callback_summaries(trainer))
+    return metrics
+
+
+def _teardown_distributed() -> None:
+    # Hydra multirun runs the next job in this same process: leave no process group behind.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Pure arithmetic and accounting: memory by category, FLOPs, schedules, prices, estimates. No Trainer."""

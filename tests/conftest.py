@@ -1,0 +1,34 @@
+"""Fixtures every test gets: a clean environment, no leftover process group, no leftover Hydra config."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    env = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+
+
+@pytest.fixture(autouse=True)
+def _destroy_process_group():
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _reset_hydra():
+    yield
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
