@@ -28,6 +28,10 @@ _HEADLINE = (
 )
 
 
+# Keys of memory sections whose figures are bytes.
+_BYTE_KEYS = {"params", "grads", "optimizer_states", "activations", "other", "device", "cpu", "nvme", "total"}
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -39,7 +43,9 @@ def format_bytes(n: float) -> str:
 def _fmt(key: str, value: Any) -> str:
     if value is None:
         return "-"
-    if key.endswith("bytes") and isinstance(value, (int, float)):
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if (key.endswith("bytes") or key in _BYTE_KEYS) and isinstance(value, (int, float)):
         return format_bytes(value)
     if isinstance(value, float):
         return f"{value:,.4f}" if abs(value) < 100 else f"{value:,.1f}"
@@ -48,30 +54,41 @@ def _fmt(key: str, value: Any) -> str:
     return str(value)
 
 
-def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        rows: list[tuple[str, Any]] = []
-        for k, v in value.items():
-            rows.extend(_flatten(f"{prefix}.{k}", v))
-        return rows
-    return [(prefix, value)]
+def _section(value: dict[str, Any]) -> str:
+    """One compact cell for a callback's section: its non-empty scalar figures, nested ones dotted."""
+    parts: list[str] = []
+    for key, v in value.items():
+        if isinstance(v, dict):
+            parts.extend(
+                f"{key}.{k2} {_fmt(key if key in _BYTE_KEYS else k2, v2)}"
+                for k2, v2 in v.items()
+                if v2 is not None and not isinstance(v2, (dict, list))
+            )
+        elif v is not None and not isinstance(v, list):
+            parts.append(f"{key} {_fmt(key, v)}")
+    return ", ".join(parts)
 
 
 def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, value) rows: the headline figures first, then every other key that callbacks added."""
+    """(label, value) rows: the headline figures, then one row per section that a callback added."""
     rows = [(label, _fmt(key, metrics[key])) for key, label in _HEADLINE if key in metrics]
     shown = {key for key, _ in _HEADLINE} | {"trainer_precision", "tokens_this_run", "train_seconds", "devices"}
     for key, value in metrics.items():
         if key in shown or isinstance(value, list):
             continue
-        rows.extend((name, _fmt(name, v)) for name, v in _flatten(key, value))
+        if isinstance(value, dict):
+            cell = _section(value)
+            if cell:
+                rows.append((key, cell))
+        else:
+            rows.append((key, _fmt(key, value)))
     return rows
 
 
 def print_summary(metrics: dict[str, Any], metrics_path: Path | None = None, console: Console | None = None) -> None:
     table = Table(title="lightning_trainopt run summary", show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
+    table.add_column("value", overflow="fold")
     for label, value in summary_rows(metrics):
         table.add_row(label, value)
     console = console or Console()

@@ -145,9 +145,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **trainer_precision_kwargs(precision, strategy),
     )
     status = "ok"
+    train_loss = None
     t0 = time.perf_counter()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        # Read before the final validation pass, which resets the Trainer's callback metrics.
+        train_loss = trainer.callback_metrics.get("train_loss")
         _final_validation(trainer, module, datamodule, clock)
     except torch.OutOfMemoryError:
         if not cfg.get("continue_on_oom", False):
@@ -156,7 +159,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
     wall = time.perf_counter() - t0
 
-    metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall)
+    metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall, train_loss)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, default=str))
@@ -174,6 +177,7 @@ def _collect_metrics(
     precision: Any,
     status: str,
     wall: float,
+    train_loss: torch.Tensor | None,
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
     world = trainer.world_size
@@ -193,7 +197,7 @@ def _collect_metrics(
         "global_batch_size": cfg.data.batch_size * trainer.accumulate_grad_batches * world,
         "seq_len": cfg.data.seq_len,
         "global_step": trainer.global_step,
-        "train_loss": float(cb["train_loss"]) if "train_loss" in cb else None,
+        "train_loss": float(train_loss) if train_loss is not None else None,
         "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
         "tokens_seen": trainer.global_step * trainer.accumulate_grad_batches * cfg.data.batch_size
         * cfg.data.seq_len * world,

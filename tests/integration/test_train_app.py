@@ -11,6 +11,7 @@ import pytest
 
 from lightning_trainopt.app.train import train
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
+from tests.helpers.runif import RunIf
 
 # The documented metrics.json schema (README "metrics.json"): key -> accepted types.
 SCHEMA = {
@@ -46,13 +47,15 @@ def check_schema(metrics: dict) -> None:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_true"])
 def test_fit_per_precision_writes_metrics(tmp_path, precision):
-    cfg = compose_config([*TINY, f"precision={precision}", "data=synthetic", "callbacks=none"], tmp_path)
+    # 5 steps with validation every 2: the app adds a validation pass at the last step.
+    cfg = compose_config([*TINY, "trainer.max_steps=5", f"precision={precision}", "data=synthetic", "callbacks=none"],
+                         tmp_path)
     metrics = train(cfg)
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     check_schema(on_disk)
     assert on_disk["precision"] == precision
-    assert on_disk["global_step"] == 4
-    assert on_disk["tokens_seen"] == 4 * 4 * 32
+    assert on_disk["global_step"] == 5
+    assert on_disk["tokens_seen"] == 5 * 4 * 32
     assert on_disk["zero_stage"] is None
     assert math.isfinite(on_disk["train_loss"]) and math.isfinite(on_disk["val_loss"])
     assert metrics["n_params"] == on_disk["n_params"]
@@ -85,3 +88,25 @@ def test_bad_input_exits_with_one_clear_line(tmp_path, args, key):
     assert proc.stderr.strip().startswith(f"error: {key}=")
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@RunIf(min_cuda_gpus=1)
+def test_fp16_fit_on_gpu_uses_the_configured_loss_scaler(tmp_path):
+    overrides = [*TINY, "precision=fp16", "precision.init_scale=1024", "precision.growth_interval=7",
+                 "trainer.accelerator=gpu", "data=synthetic", "callbacks=none"]
+    metrics = train(compose_config(overrides, tmp_path))
+    assert metrics["trainer_precision"] == "16-mixed"
+    assert math.isfinite(metrics["train_loss"])
+
+
+@RunIf(deepspeed=True)
+def test_documented_zero3_command_runs_stage_3(tmp_path):
+    proc = run_cli("+strategy=zero3", "precision=bf16", "trainer.max_steps=3", "scheduler.warmup_steps=1",
+                   "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "data.max_bytes=300000",
+                   f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    check_schema(metrics)
+    assert metrics["strategy"] == "zero3"
+    assert metrics["zero_stage"] == 3  # as reported by the DeepSpeed engine itself
+    assert metrics["precision"] == "bf16"
