@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -146,11 +147,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     status = "ok"
     train_loss = None
+    info = _strategy_info(trainer, cfg)
     t0 = time.perf_counter()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        # Read before the final validation pass, which resets the Trainer's callback metrics.
+        # Read before the final validation pass: it resets the callback metrics, and under DeepSpeed it
+        # re-initialises the engine for inference (without ZeRO below stage 3).
         train_loss = trainer.callback_metrics.get("train_loss")
+        info = _strategy_info(trainer, cfg)
         _final_validation(trainer, module, datamodule, clock)
     except torch.OutOfMemoryError:
         if not cfg.get("continue_on_oom", False):
@@ -159,7 +163,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
     wall = time.perf_counter() - t0
 
-    metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall, train_loss)
+    metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall, train_loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, default=str))
@@ -178,6 +182,7 @@ def _collect_metrics(
     status: str,
     wall: float,
     train_loss: torch.Tensor | None,
+    strategy_info: dict[str, Any],
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
     world = trainer.world_size
@@ -186,7 +191,7 @@ def _collect_metrics(
         "status": status,
         "model": cfg.model.name,
         "n_params": module.config.n_params(),
-        **_strategy_info(trainer, cfg),
+        **strategy_info,
         "precision": precision.name,
         "trainer_precision": precision.trainer_precision,
         "world_size": world,
@@ -211,6 +216,15 @@ def _collect_metrics(
 
 
 def _teardown_distributed() -> None:
-    # Hydra multirun runs the next job in this same process: leave no process group behind.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    """Leave no process group behind: Hydra multirun runs the next job in this same process.
+
+    DeepSpeed caches its process groups in module globals; its own ``destroy_process_group`` releases them
+    too, otherwise the next DeepSpeed job of a sweep fails with "Group ... is not registered".
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    ds_comm = sys.modules.get("deepspeed.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
         torch.distributed.destroy_process_group()
