@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env
 from lightning_trainopt.app.report import print_summary
@@ -82,11 +82,17 @@ def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
 
 
 def _callback_summaries(trainer: pl.Trainer) -> dict[str, Any]:
+    """Merge every callback's ``summary()``; sections that several callbacks fill (``memory_breakdown``) merge by key."""
     out: dict[str, Any] = {}
     for cb in trainer.callbacks:
         summary = getattr(cb, "summary", None)
-        if callable(summary):
-            out.update(summary())
+        if not callable(summary):
+            continue
+        for key, value in summary().items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **value}
+            elif value is not None or key not in out:
+                out[key] = value
     return out
 
 
@@ -126,7 +132,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         model_cfg,
         optimizer=instantiate(cfg.optimizer),
         scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-        compile=bool(cfg.get("compile", False)),
+        compile_model=bool(cfg.get("compile", False)),
     )
     clock = RunClock()
     callbacks = [clock, *_instantiate_named(cfg.get("callbacks")), *_instantiate_named(cfg.get("activations"))]
@@ -135,8 +141,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     env = snapshot_env()
     prepare_child_command(run_dir)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(trainer_kwargs, dict)
+    # Instantiated, not just converted: `debug=profiler` puts a profiler object under trainer.profiler.
+    trainer_kwargs = instantiate(cfg.trainer, _convert_="all")
     trainer = pl.Trainer(
         **trainer_kwargs,
         strategy=strategy,

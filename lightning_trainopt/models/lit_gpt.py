@@ -37,7 +37,7 @@ class LitGPT(pl.LightningModule):
         model: the model's shape (a :class:`GPTConfig` or its fields as a dict).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
-        compile: ``torch.compile`` the inner model (never the LightningModule, whose ``self.log`` cannot be traced).
+        compile_model: ``torch.compile`` the inner model (never the LightningModule, whose ``self.log`` cannot be traced).
 
     Example::
 
@@ -49,14 +49,14 @@ class LitGPT(pl.LightningModule):
         model: GPTConfig | dict[str, Any],
         optimizer: OptimizerFactory | None = None,
         scheduler: Callable[..., Any] | None = None,
-        compile: bool = False,
+        compile_model: bool = False,
     ) -> None:
         super().__init__()
         self.config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
-        self.save_hyperparameters({"model": asdict(self.config), "compile": compile})
+        self.save_hyperparameters({"model": asdict(self.config), "compile_model": compile_model})
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
-        self.compile = compile
+        self.compile_model = compile_model
         self.model: torch.nn.Module | None = None
 
     @override
@@ -64,7 +64,7 @@ class LitGPT(pl.LightningModule):
         if self.model is not None:
             return
         model = GPT(self.config)
-        self.model = torch.compile(model) if self.compile else model
+        self.model = torch.compile(model) if self.compile_model else model
 
     @property
     def gpt(self) -> GPT:

@@ -1,0 +1,192 @@
+"""Overhead of the monitoring callbacks: the demo model with all of them on versus none, alternating runs.
+
+Each run trains ``--steps`` optimizer steps; the time of the steps after ``--warmup`` is taken between two
+synchronised timestamps (so the harness adds no per-step sync) and divided by the step count. Runs alternate
+(none, all, none, all, ...) in one process so drifts hit both arms; the ratio of the medians is printed.
+
+    python bench/callback_overhead.py                           # CPU, gpt_tiny-like model
+    python bench/callback_overhead.py --device cuda --model 125m --steps 60 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_trainopt.callbacks import (  # noqa: E402
+    CostMonitor,
+    GPUMonitor,
+    MemoryBreakdown,
+    MemorySnapshot,
+    SpeedMonitor,
+    StepTimer,
+)
+from lightning_trainopt.data.datamodule import TextDataModule  # noqa: E402
+from lightning_trainopt.models.config import GPTConfig  # noqa: E402
+from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
+
+MODELS = {
+    "tiny": GPTConfig(name="gpt_tiny", n_layers=4, d_model=128, n_heads=4, ffn_hidden=352, max_seq_len=512),
+    "125m": GPTConfig(
+        name="gpt_125m", vocab_size=50304, n_layers=12, d_model=768, n_heads=12, ffn_hidden=2048, max_seq_len=2048
+    ),
+}
+
+
+class _Window(pl.Callback):
+    """Synchronised timestamps at the start of step ``warmup`` and the end of the last step only."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
+        self.t0 = self.t1 = 0.0
+
+    def _now(self, pl_module: pl.LightningModule) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.warmup:
+            self.t0 = self._now(pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.steps:
+            self.t1 = self._now(pl_module)
+
+
+_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+)
+
+
+class HookClock:
+    """Host seconds spent inside the monitors' per-step hooks (wraps the bound methods of each instance)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, callbacks: list[pl.Callback]) -> list[pl.Callback]:
+        for cb in callbacks:
+            for name in _HOOKS:
+                if type(cb).__dict__.get(name) is None:
+                    continue
+                original = getattr(cb, name)
+
+                def timed(*a: Any, _f: Any = original, **k: Any) -> Any:
+                    t = time.perf_counter()
+                    try:
+                        return _f(*a, **k)
+                    finally:
+                        self.seconds += time.perf_counter() - t
+
+                setattr(cb, name, timed)
+        return callbacks
+
+
+def monitors(tmp: str) -> list[pl.Callback]:
+    """What `callbacks=default` switches on (without checkpointing)."""
+    return [
+        StepTimer(),
+        SpeedMonitor(),
+        MemoryBreakdown(),
+        CostMonitor(price_per_device_hour=1.0),
+        GPUMonitor(),
+        MemorySnapshot(dirpath=tmp),
+    ]
+
+
+def one_run(args: argparse.Namespace, with_monitors: bool, tmp: str, hooks: HookClock | None = None) -> float:
+    window = _Window(args.warmup, args.steps)
+    mons = monitors(tmp) if with_monitors else []
+    if hooks is not None:
+        hooks.wrap(mons)
+    callbacks = [*mons, window]
+    trainer = pl.Trainer(
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=1,
+        max_steps=args.steps,
+        precision=args.precision,
+        log_every_n_steps=args.log_every,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    torch.manual_seed(0)
+    data = TextDataModule(
+        corpus="synthetic",
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        vocab_size=MODELS[args.model].vocab_size,
+        synthetic_tokens=4_000_000,
+        seed=0,
+    )
+    trainer.fit(LitGPT(MODELS[args.model]), data)
+    return (window.t1 - window.t0) / (args.steps - args.warmup)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-mixed on CUDA")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--hook-time", action="store_true", help="also time the monitors' hooks (one extra run per round)")
+    args = p.parse_args()
+    args.precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
+    warnings.simplefilter("ignore")
+    times: dict[str, list[float]] = {"none": [], "all monitors": []}
+    hook_s_per_step: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        one_run(args, False, tmp)  # warm caches and kernels before either arm is timed
+        for _ in range(args.rounds):
+            times["none"].append(one_run(args, False, tmp))
+            times["all monitors"].append(one_run(args, True, tmp))
+            hooks = HookClock()
+            if args.hook_time:
+                one_run(args, True, tmp, hooks)
+                hook_s_per_step.append(hooks.seconds / args.steps)
+    base = statistics.median(times["none"])
+    print(
+        f"\ncallback overhead: model={args.model} device={args.device} precision={args.precision} "
+        f"batch={args.batch_size}x{args.seq_len} steps={args.steps} (timed {args.steps - args.warmup}) "
+        f"rounds={args.rounds}"
+    )
+    print(f"{'arm':<14} {'median step s':>14} {'runs (s/step)':<40} {'ratio':>7}")
+    for arm, values in times.items():
+        med = statistics.median(values)
+        runs = ", ".join(f"{v:.4f}" for v in values)
+        print(f"{arm:<14} {med:>14.5f} {runs:<40} {med / base:>7.4f}")
+    print(f"overhead: {100 * (statistics.median(times['all monitors']) / base - 1):+.2f}% (target <= +1%)")
+    if hook_s_per_step:
+        h = statistics.median(hook_s_per_step)
+        print(
+            f"host time inside the monitors' per-step hooks: {1e3 * h:.3f} ms/step = {100 * h / base:.3f}% of the "
+            f"median step (all steps, window closes included; less sensitive to machine noise than the ratio)"
+        )
+
+
+if __name__ == "__main__":
+    main()

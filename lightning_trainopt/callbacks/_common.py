@@ -1,0 +1,60 @@
+"""Helpers shared by the measuring callbacks (not public)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+Clock = Callable[[], float]
+
+
+def default_clock() -> float:
+    return time.perf_counter()
+
+
+def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
+    """Send ``metrics`` to every logger of the Trainer, from global rank 0 only (no collective, no sync)."""
+    if not trainer.is_global_zero or not metrics:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
+
+
+def log_interval(trainer: pl.Trainer, own: int | None) -> int:
+    """The callback's logging window in optimizer steps: its own, else the Trainer's ``log_every_n_steps``."""
+    return max(1, own if own is not None else int(getattr(trainer, "log_every_n_steps", 50) or 50))
+
+
+def on_cuda(pl_module: pl.LightningModule) -> bool:
+    return pl_module.device.type == "cuda"
+
+
+def find_callback(trainer: pl.Trainer, cls_name: str) -> Any | None:
+    """The first callback of the Trainer whose class is named ``cls_name`` (avoids import cycles)."""
+    for cb in getattr(trainer, "callbacks", []):
+        if type(cb).__name__ == cls_name:
+            return cb
+    return None
+
+
+def warn_off(name: str, why: str) -> None:
+    """The one line a monitor prints when it switches itself off."""
+    rank_zero_warn(f"{name} is off: {why}", category=UserWarning)
+
+
+def json_safe(value: Any) -> Any:
+    """Floats, ints, strings, None, lists and dicts of them (tensors become numbers)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and value != value:  # NaN is not JSON
+        return None
+    return value

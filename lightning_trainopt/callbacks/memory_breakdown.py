@@ -1,0 +1,166 @@
+"""MemoryBreakdown: bytes per rank of parameters, gradients, optimizer states, activations and other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_trainopt.callbacks._common import json_safe, log_metrics
+from lightning_trainopt.core.memory_accounting import memory_breakdown
+from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
+from lightning_trainopt.exceptions import ConfigError
+
+__all__ = ["MemoryBreakdown", "accounted_model_states"]
+
+ModelStateFn = Callable[[pl.Trainer, pl.LightningModule], dict[str, int]]
+
+
+def _offload_of(trainer: pl.Trainer) -> dict[str, str]:
+    """What a DeepSpeed strategy offloads (``none`` for every other strategy)."""
+    config = getattr(trainer.strategy, "config", None)
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+    return {
+        "params": (zero.get("offload_param") or {}).get("device", "none"),
+        "optimizer_states": (zero.get("offload_optimizer") or {}).get("device", "none"),
+    }
+
+
+def accounted_model_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
+    """Per-rank model-state bytes from :func:`lightning_trainopt.core.memory_accounting.memory_breakdown`.
+
+    ``params``/``grads``/``optimizer_states`` are the bytes on the compute device; offloaded bytes appear as
+    ``<name>_cpu`` and ``<name>_nvme`` when non-zero. ZeRO/FSDP shards count by their local size.
+    """
+    mb = memory_breakdown(pl_module, trainer.optimizers, trainer.strategy.root_device, offload=_offload_of(trainer))
+    out: dict[str, int] = {}
+    for name, placed in mb.to_dict().items():
+        out[name] = int(placed["device"])
+        for where in ("cpu", "nvme"):
+            if placed[where]:
+                out[f"{name}_{where}"] = int(placed[where])
+    return out
+
+
+class MemoryBreakdown(Callback):
+    """The four-part memory table (model states, activations, other) per rank at chosen optimizer steps.
+
+    Activations are the bytes saved for backward, counted through
+    :class:`~lightning_trainopt.core.saved_tensors.SavedTensorsCounter` during the forward passes of the measured
+    step (the largest micro-batch under accumulation). On CUDA, ``peak`` is the allocator's peak over that step and
+    ``other`` = peak - (params + grads + optimizer states + activations): temporaries, workspace, fragmentation.
+    On CPU there are no allocator statistics, so ``other`` and ``peak_memory_bytes`` are ``None``.
+
+    Args:
+        at_steps: optimizer steps (0-based ``global_step``) to measure; step 1 or later has optimizer states.
+        model_state_fn: ``(trainer, module) -> {"params": bytes, "grads": ..., "optimizer_states": ...}``; default
+            :func:`accounted_model_states` (the strategies' per-rank accounting).
+
+    Example::
+
+        trainer = Trainer(callbacks=[MemoryBreakdown(at_steps=[1, 100])])
+    """
+
+    def __init__(self, at_steps: Sequence[int] = (1,), model_state_fn: ModelStateFn | None = None) -> None:
+        steps = list(at_steps)
+        if not steps or any(not isinstance(s, int) or s < 0 for s in steps):
+            raise ConfigError("callbacks.memory_breakdown.at_steps", at_steps, "use a list of optimizer steps >= 0.")
+        self.at_steps = sorted(set(steps))
+        self.model_state_fn = model_state_fn
+        self._counter: SavedTensorsCounter | None = None
+        self._measuring_step: int | None = None
+        self._states: dict[str, int] = {}
+        self.results: dict[int, dict[str, Any]] = {}
+
+    def _active(self, trainer: pl.Trainer) -> bool:
+        return trainer.global_step in self.at_steps and trainer.global_step not in self.results
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active(trainer):
+            return
+        if self._measuring_step != trainer.global_step:
+            self._measuring_step = trainer.global_step
+            self._counter = SavedTensorsCounter(params=pl_module.parameters())
+            self._states = {}
+            if pl_module.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(pl_module.device)
+        assert self._counter is not None
+        self._counter.start()
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._counter is not None and self._measuring_step == trainer.global_step:
+            self._counter.mark()
+            self._counter.stop()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._counter is not None and self._measuring_step == trainer.global_step:
+            fn = self.model_state_fn or accounted_model_states
+            self._states = dict(fn(trainer, pl_module))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = self._measuring_step
+        if self._counter is None or step is None or trainer.global_step == step:
+            return  # still inside the measured optimizer step (accumulation)
+        self._counter.stop()
+        fn = self.model_state_fn or accounted_model_states
+        # Optimizer states exist only after the step: read them now, grads from before the step.
+        states = dict(fn(trainer, pl_module))
+        states["grads"] = self._states.get("grads", states.get("grads", 0))
+        row: dict[str, Any] = {k: int(v) for k, v in states.items()}
+        row["activations"] = int(self._counter.peak)
+        if pl_module.device.type == "cuda":
+            peak = int(torch.cuda.max_memory_allocated(pl_module.device))
+            known = row.get("params", 0) + row.get("grads", 0) + row.get("optimizer_states", 0) + row["activations"]
+            row["other"] = peak - known
+            row["peak_memory_bytes"] = peak
+            row["source"] = "CUDA allocator peak + tensor accounting"
+        else:
+            row["other"] = None
+            row["peak_memory_bytes"] = None
+            row["source"] = "tensor accounting (CPU: no allocator statistics)"
+        self.results[step] = row
+        self._counter = None
+        self._measuring_step = None
+        log_metrics(trainer, {f"memory/{k}_bytes": float(v) for k, v in row.items() if isinstance(v, int)}, step=step)
+        gib = {k: v / 2**30 for k, v in row.items() if isinstance(v, int)}
+        rank_zero_info(f"MemoryBreakdown step {step}: " + ", ".join(f"{k} {v:.3f} GiB" for k, v in gib.items()))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._counter is not None:
+            self._counter.stop()
+            self._counter = None
+            self._measuring_step = None
+
+    def summary(self) -> dict[str, Any]:
+        """``{"memory_breakdown": {...last measured step, rank 0...}, "peak_memory_bytes": int | None}``."""
+        if not self.results:
+            return {}
+        step = max(self.results)
+        row = dict(self.results[step])
+        row["step"] = step
+        # Model states in the strategies' schema ({device, cpu, nvme} per category), so both reports merge.
+        for name in ("params", "grads", "optimizer_states"):
+            row[name] = {"device": row.pop(name, 0), "cpu": row.pop(f"{name}_cpu", 0), "nvme": row.pop(f"{name}_nvme", 0)}
+        return {"memory_breakdown": json_safe(row), "peak_memory_bytes": row.get("peak_memory_bytes")}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"results": {str(k): v for k, v in self.results.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.results = {int(k): dict(v) for k, v in state_dict["results"].items()}

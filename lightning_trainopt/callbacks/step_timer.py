@@ -1,0 +1,270 @@
+"""StepTimer: where each optimizer step's time goes, and a verdict with remedies at the end of fit."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_trainopt.callbacks._common import Clock, default_clock, json_safe, log_interval, log_metrics
+from lightning_trainopt.core.step_time import StepSplit, Verdict, step_verdict
+from lightning_trainopt.exceptions import ConfigError
+
+__all__ = ["StepTimer"]
+
+# (previous mark, next mark) -> phase; pairs not listed count as "other".
+_PHASE_OF = {
+    ("batch_end", "h2d_start"): "data_wait",
+    ("batch_end", "batch_start"): "data_wait",
+    ("h2d_end", "batch_start"): "data_wait",
+    ("h2d_start", "h2d_end"): "h2d",
+    ("batch_start", "before_backward"): "forward",
+    ("before_backward", "after_backward"): "backward",
+    ("after_backward", "before_optimizer_step"): "optimizer",
+    ("before_optimizer_step", "batch_end"): "optimizer",
+}
+
+
+def split_marks(times: list[tuple[str, float]]) -> StepSplit:
+    """Turn consecutive ``(mark, seconds)`` pairs into a :class:`StepSplit`.
+
+    Wall time is last - first mark, less the time between a ``pause`` and the next mark (validation loops).
+    """
+    split = StepSplit()
+    paused = 0.0
+    for (a, ta), (b, tb) in zip(times, times[1:]):
+        phase = _PHASE_OF.get((a, b))
+        if phase is not None:
+            split.add(phase, tb - ta)
+        elif a == "pause":
+            paused += tb - ta
+    if len(times) > 1:
+        split.wall = times[-1][1] - times[0][1] - paused
+    split.steps = sum(1 for name, _ in times if name == "before_optimizer_step")
+    return split
+
+
+class StepTimer(Callback):
+    """Splits every optimizer step into dataloader wait, host-to-device copy, forward, backward and optimizer step.
+
+    Timestamps are taken at hook boundaries: host ``perf_counter`` on CPU, CUDA events on GPU (recorded
+    asynchronously, read once per logging window), so the training loop is never synchronised per step.
+    Exposed DDP/FSDP communication is inside ``backward`` (it cannot be separated without a profiler).
+
+    Args:
+        log_every_n_steps: logging window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
+        warmup_steps: optimizer steps left out of the end-of-fit split (first-step allocation, compilation).
+        input_threshold: share of wall time in data wait + copy above which the verdict is ``input-bound``.
+        optimizer_threshold: share in the optimizer step above which it is ``optimizer/offload-bound``.
+        comm_threshold: share of measured exposed communication above which it is ``communication-bound``.
+        clock: seconds since an arbitrary origin (tests inject a fake; default ``time.perf_counter``).
+
+    Example::
+
+        trainer = Trainer(callbacks=[StepTimer()])
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        warmup_steps: int = 1,
+        input_threshold: float = 0.15,
+        optimizer_threshold: float = 0.30,
+        comm_threshold: float = 0.25,
+        clock: Clock | None = None,
+    ) -> None:
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ConfigError("callbacks.step_timer.log_every_n_steps", log_every_n_steps, "use a positive integer.")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError("callbacks.step_timer.warmup_steps", warmup_steps, "use an integer >= 0.")
+        for key, value in (
+            ("input_threshold", input_threshold),
+            ("optimizer_threshold", optimizer_threshold),
+            ("comm_threshold", comm_threshold),
+        ):
+            if not 0.0 < value < 1.0:
+                raise ConfigError(f"callbacks.step_timer.{key}", value, "use a fraction between 0 and 1.")
+        self.log_every_n_steps = log_every_n_steps
+        self.warmup_steps = warmup_steps
+        self.input_threshold = input_threshold
+        self.optimizer_threshold = optimizer_threshold
+        self.comm_threshold = comm_threshold
+        self._clock = clock or default_clock
+        self._cuda = False
+        self._marks: list[tuple[str, Any]] = []
+        self._total = StepSplit()
+        self._last_step = -1
+        self._verdict: Verdict | None = None
+        self._loader: dict[str, Any] = {}
+        self._patched: tuple[Any, Any] | None = None
+
+    def _mark(self, name: str) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((name, event))
+        else:
+            self._marks.append((name, self._clock()))
+
+    def _resolve(self) -> list[tuple[str, float]]:
+        if not self._marks:
+            return []
+        if not self._cuda:
+            return [(n, float(t)) for n, t in self._marks]
+        last = self._marks[-1][1]
+        last.synchronize()  # once per logging window
+        first = self._marks[0][1]
+        return [(n, first.elapsed_time(e) / 1000.0) for n, e in self._marks]
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._patched is not None:
+            return
+        strategy = trainer.strategy
+        original = strategy.batch_to_device
+
+        def timed_batch_to_device(*args: Any, **kwargs: Any) -> Any:
+            training = trainer.training
+            if training:
+                self._mark("h2d_start")
+            out = original(*args, **kwargs)
+            if training:
+                self._mark("h2d_end")
+            return out
+
+        # An instance attribute shadows the method for the loop's `_call_strategy_hook`; teardown removes it.
+        strategy.batch_to_device = timed_batch_to_device  # type: ignore[method-assign]
+        self._patched = (strategy, original)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._patched is not None:
+            strategy, _ = self._patched
+            if "batch_to_device" in vars(strategy):
+                del strategy.batch_to_device
+            self._patched = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._cuda = pl_module.device.type == "cuda"
+        self._marks = []
+        self._last_step = trainer.global_step
+        self._start_step = trainer.global_step
+        loader = trainer.train_dataloader
+        self._loader = {
+            "num_workers": getattr(loader, "num_workers", None),
+            "pin_memory": getattr(loader, "pin_memory", None),
+            "prefetch_factor": getattr(loader, "prefetch_factor", None),
+        }
+        offload = getattr(trainer.strategy, "config", None)
+        zero = offload.get("zero_optimization", {}) if isinstance(offload, dict) else {}
+        self._offload = bool(zero.get("offload_optimizer") or zero.get("offload_param"))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._mark("batch_start")
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.training or self._marks:
+            self._mark("pause")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._marks:
+            self._mark("resume")
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._mark("before_backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._mark("after_backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._mark("before_optimizer_step")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._mark("batch_end")
+        step = trainer.global_step
+        if step == self._last_step:
+            return
+        self._last_step = step
+        if step - self._start_step <= self.warmup_steps:
+            # Drop warm-up steps; the window restarts at this step's end.
+            self._marks = self._marks[-1:]
+            return
+        if step % log_interval(trainer, self.log_every_n_steps) == 0:
+            self._close_window(trainer)
+
+    def _close_window(self, trainer: pl.Trainer) -> None:
+        times = self._resolve()
+        split = split_marks(times)
+        self._marks = self._marks[-1:]
+        if split.steps == 0 or split.wall <= 0:
+            return
+        self._total.merge(split)
+        fractions = split.fractions()
+        metrics = {f"step_time/{k}_frac": v for k, v in fractions.items()}
+        metrics["step_time/step_s"] = split.wall / split.steps
+        log_metrics(trainer, metrics)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Close the partial last window so short runs still get a split.
+        if len(self._marks) > 1:
+            self._close_window(trainer)
+        self._marks = []
+        self._verdict = step_verdict(
+            self._total,
+            num_workers=self._loader.get("num_workers"),
+            pin_memory=self._loader.get("pin_memory"),
+            prefetch_factor=self._loader.get("prefetch_factor"),
+            cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            offload=self._offload,
+            input_threshold=self.input_threshold,
+            optimizer_threshold=self.optimizer_threshold,
+            comm_threshold=self.comm_threshold,
+        )
+        v = self._verdict
+        fixes = "; ".join(v.remedies)
+        rank_zero_info(f"StepTimer: {v.kind} ({v.reason}).{' Remedies: ' + fixes if fixes else ''}")
+
+    @property
+    def split(self) -> StepSplit:
+        """The split accumulated over the fit(s), warm-up excluded."""
+        return self._total
+
+    def summary(self) -> dict[str, Any]:
+        """``{"step_time": {fractions, step_s, steps, verdict, reason, remedies}}`` for metrics.json."""
+        total = self._total
+        out: dict[str, Any] = {f"{k}_frac": v for k, v in total.fractions().items()}
+        out["step_s"] = total.wall / total.steps if total.steps else None
+        out["steps"] = total.steps
+        out["comm_measured"] = total.comm_measured
+        if self._verdict is not None:
+            out.update(verdict=self._verdict.kind, reason=self._verdict.reason, remedies=list(self._verdict.remedies))
+        return {"step_time": json_safe(out)}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self._total.to_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        t = state_dict["total"]
+        self._total = StepSplit(
+            seconds=dict(t["seconds"]), wall=t["wall"], steps=t["steps"], comm_measured=t["comm_measured"]
+        )

@@ -1,0 +1,44 @@
+"""Run every exported callback under DDP on 2 CPU processes; each rank writes its summaries to OUT/rank{r}.json.
+
+Usage: python tests/integration/_callbacks_ddp_script.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import lightning.pytorch as pl  # noqa: E402
+
+import lightning_trainopt.callbacks as cbs  # noqa: E402
+from tests.helpers.tiny_fit import tiny_data, tiny_module  # noqa: E402
+
+
+def main(out: str) -> None:
+    warnings.simplefilter("ignore")
+    callbacks = [getattr(cbs, name)() for name in cbs.__all__]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=4,
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    trainer.fit(tiny_module(), tiny_data())
+    summaries = {type(cb).__name__: cb.summary() for cb in callbacks}
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as fh:
+        json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size, "summaries": summaries}, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

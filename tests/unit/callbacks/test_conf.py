@@ -1,0 +1,45 @@
+"""The callback and hardware presets compose and build their targets."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import lightning_trainopt.callbacks as cbs
+from lightning_trainopt.core.hardware import HardwareSpec
+
+CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf"))
+HARDWARE = sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "hardware")) if f.endswith(".yaml"))
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def test_default_switches_every_monitor_on_and_guards_can_be_added(tmp_path):
+    cfg = _compose(
+        ["callbacks=[default,non_finite_guard,warmup_cosine_lr]", f"callbacks.memory_snapshot.dirpath={tmp_path}"]
+    )
+    names = set(cfg.callbacks) - {"model_checkpoint"}
+    assert names == {
+        "step_timer",
+        "speed_monitor",
+        "memory_breakdown",
+        "cost_monitor",
+        "gpu_monitor",
+        "memory_snapshot",
+        "non_finite_guard",
+        "warmup_cosine_lr",
+    }
+    built = {name: instantiate(cfg.callbacks[name]) for name in names}
+    assert {type(cb).__name__ for cb in built.values()} == set(cbs.__all__)
+    assert isinstance(built["cost_monitor"].hardware, HardwareSpec)
+
+
+@pytest.mark.parametrize("name", HARDWARE)
+def test_hardware_presets_build(name):
+    spec = instantiate(_compose([f"hardware={name}"]).hardware)
+    assert isinstance(spec, HardwareSpec)
+    assert spec.sources["price"]

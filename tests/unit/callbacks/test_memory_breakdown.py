@@ -1,0 +1,63 @@
+import pytest
+import torch
+
+from lightning_trainopt.callbacks import MemoryBreakdown
+from lightning_trainopt.core.saved_tensors import measure_saved_tensors
+from lightning_trainopt.exceptions import ConfigError
+from tests.helpers.runif import RunIf
+from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
+
+
+def _expected_activations(module, batch_size=4, seq_len=16):
+    x = torch.randint(0, 64, (batch_size, seq_len))
+    _, report = measure_saved_tensors(module._loss, (x, x.clone()), params=module.parameters())
+    return report.activation_bytes
+
+
+def test_four_part_table_on_cpu():
+    cb = MemoryBreakdown(at_steps=[1])
+    module = tiny_module()
+    logger = ListLogger()
+    tiny_trainer([cb], max_steps=3, logger=logger).fit(module, tiny_data(batch_size=4, seq_len=16))
+    row = cb.results[1]
+    param_bytes = TINY.n_params() * 4
+    assert row["params"] == param_bytes
+    assert row["grads"] == param_bytes
+    n_tensors = len(list(module.parameters()))
+    assert row["optimizer_states"] == 2 * param_bytes + 4 * n_tensors  # AdamW exp_avg, exp_avg_sq, step
+    assert row["activations"] == _expected_activations(module) > 0
+    assert row["other"] is None
+    assert row["peak_memory_bytes"] is None
+    s = cb.summary()
+    assert s["memory_breakdown"]["activations"] == row["activations"]
+    assert s["memory_breakdown"]["step"] == 1
+    assert s["memory_breakdown"]["params"] == {"device": param_bytes, "cpu": 0, "nvme": 0}
+    assert logger.values("memory/activations_bytes") == [float(row["activations"])]
+
+
+def test_accumulation_takes_the_largest_micro_batch():
+    cb = MemoryBreakdown(at_steps=[0])
+    module = tiny_module()
+    tiny_trainer([cb], max_steps=1, accumulate_grad_batches=3).fit(module, tiny_data(batch_size=2, seq_len=16))
+    assert cb.results[0]["activations"] == _expected_activations(module, batch_size=2)
+
+
+def test_injected_model_state_fn():
+    cb = MemoryBreakdown(
+        at_steps=[0], model_state_fn=lambda trainer, module: {"params": 1, "grads": 2, "optimizer_states": 3}
+    )
+    tiny_trainer([cb], max_steps=1).fit(tiny_module(), tiny_data())
+    assert (cb.results[0]["params"], cb.results[0]["grads"], cb.results[0]["optimizer_states"]) == (1, 2, 3)
+    with pytest.raises(ConfigError, match="at_steps"):
+        MemoryBreakdown(at_steps=[-1])
+
+
+@RunIf(min_cuda_gpus=1)
+def test_allocator_peak_on_gpu():
+    cb = MemoryBreakdown(at_steps=[1])
+    tiny_trainer([cb], max_steps=2, accelerator="gpu").fit(tiny_module(), tiny_data())
+    row = cb.results[1]
+    assert row["peak_memory_bytes"] > 0
+    known = row["params"] + row["grads"] + row["optimizer_states"] + row["activations"]
+    assert row["other"] == row["peak_memory_bytes"] - known
+    assert row["activations"] > 0

@@ -1,0 +1,98 @@
+import pytest
+
+from lightning_trainopt.core.hardware import (
+    HARDWARE,
+    HardwareSpec,
+    compute_dtype_key,
+    detect_hardware,
+    hardware_spec,
+    preset_for_device_name,
+)
+from lightning_trainopt.exceptions import ConfigError
+
+
+def test_every_preset_has_sources_and_dense_peaks():
+    for key, spec in HARDWARE.items():
+        assert {"peak", "price", "memory"} <= set(spec.sources), key
+        if spec.peak_flops:
+            # Dense bf16 is never above twice fp16's figure nor below fp32's on these chips.
+            assert spec.peak("bf16") >= spec.peak("fp32"), key
+
+
+def test_default_prices_of_the_issue():
+    assert hardware_spec("a100_40gb").price_per_device_hour == 3.5
+    assert hardware_spec("a100_80gb").price_per_device_hour == 4.8
+    assert hardware_spec("h100").price_per_device_hour == 8.2
+    assert hardware_spec("h200").price_per_device_hour is None
+    assert "price_per_device_hour" in hardware_spec("h200").sources["price"]
+
+
+def test_dense_h100_bf16_is_half_the_sparse_datasheet_figure():
+    assert hardware_spec("h100_sxm").peak("bf16") == pytest.approx(1978.9e12 / 2, rel=1e-3)
+
+
+def test_overrides_and_sources():
+    spec = hardware_spec("a100_80gb", price_per_device_hour=2.0, peak_tflops={"bf16": 250}, memory_gb=80)
+    assert spec.price_per_device_hour == 2.0
+    assert spec.peak("bf16") == 250e12
+    assert spec.peak("fp16") == 312e12
+    assert spec.sources["price"] == "user-set"
+    assert spec.memory_bytes == 80 * 2**30
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"name": "tpu9"}, "hardware.name"),
+        ({"name": "l4", "price_per_device_hour": -1.0}, "hardware.price_per_device_hour"),
+        ({"name": "l4", "peak_tflops": {"bf16": 0}}, "hardware.peak_tflops.bf16"),
+        ({"name": "l4", "peak_tflops": {"bf17": 10}}, "hardware.peak_tflops.bf17"),
+    ],
+)
+def test_bad_input_names_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        hardware_spec(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "memory", "key"),
+    [
+        ("NVIDIA H100 80GB HBM3", None, "h100_sxm"),
+        ("NVIDIA H100 PCIe", None, "h100_pcie"),
+        ("NVIDIA H200", None, "h200"),
+        ("NVIDIA A100-SXM4-80GB", None, "a100_80gb"),
+        ("NVIDIA A100-SXM4-40GB", None, "a100_40gb"),
+        ("NVIDIA A100-PCIE", 80 * 2**30, "a100_80gb"),
+        ("NVIDIA L40S", None, "l40s"),
+        ("NVIDIA L4", None, "l4"),
+        ("NVIDIA A10G", None, "a10g"),
+        ("Tesla T4", None, None),
+    ],
+)
+def test_device_name_detection(name, memory, key):
+    assert preset_for_device_name(name, memory) == key
+
+
+def test_detect_on_this_machine_is_consistent():
+    import torch
+
+    spec = detect_hardware()
+    if not torch.cuda.is_available():
+        assert spec.name == "cpu"
+        assert spec.peak("bf16") is None
+    else:
+        assert spec.memory_bytes == torch.cuda.get_device_properties(0).total_memory
+
+
+def test_compute_dtype_key():
+    assert compute_dtype_key("bf16-mixed", True) == "bf16"
+    assert compute_dtype_key("16-mixed", True) == "fp16"
+    assert compute_dtype_key("32-true", True, "high") == "tf32"
+    assert compute_dtype_key("32-true", True, "highest") == "fp32"
+    assert compute_dtype_key("32-true", False, "high") == "fp32"
+    assert compute_dtype_key("transformer-engine", True) == "fp8"
+
+
+def test_spec_validates_itself():
+    with pytest.raises(ConfigError, match="hardware.price_per_device_hour"):
+        HardwareSpec("x", price_per_device_hour=-2.0)
