@@ -82,7 +82,7 @@ def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
 
 
 def _callback_summaries(trainer: pl.Trainer) -> dict[str, Any]:
-    """Merge every callback's ``summary()``; sections that several callbacks fill (``memory_breakdown``) merge by key."""
+    """Merge every callback's ``summary()``; a section several callbacks fill (``memory_breakdown``) merges by key."""
     out: dict[str, Any] = {}
     for cb in trainer.callbacks:
         summary = getattr(cb, "summary", None)
@@ -210,8 +210,11 @@ def _collect_metrics(
         "global_step": trainer.global_step,
         "train_loss": float(train_loss) if train_loss is not None else None,
         "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
-        "tokens_seen": trainer.global_step * trainer.accumulate_grad_batches * cfg.data.batch_size
-        * cfg.data.seq_len * world,
+        "tokens_seen": trainer.global_step
+        * trainer.accumulate_grad_batches
+        * cfg.data.batch_size
+        * cfg.data.seq_len
+        * world,
         "tokens_this_run": tokens_this_run,
         "tokens_per_sec": tokens_this_run / clock.train_seconds if clock.train_seconds > 0 else None,
         "train_seconds": clock.train_seconds,

@@ -120,7 +120,9 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue
-            scale = 1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+            scale = (
+                1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+            )
             nn.init.normal_(p, mean=0.0, std=std * scale)
 
     def rope(self, seq_len: int, device: torch.device) -> torch.Tensor:

@@ -37,7 +37,7 @@ class LitGPT(pl.LightningModule):
         model: the model's shape (a :class:`GPTConfig` or its fields as a dict).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
-        compile_model: ``torch.compile`` the inner model (never the LightningModule, whose ``self.log`` cannot be traced).
+        compile_model: ``torch.compile`` the inner model (never the LightningModule: ``self.log`` cannot be traced).
 
     Example::
 

@@ -11,16 +11,35 @@ import pytest
 
 from tests.helpers.compose import REPO_ROOT
 
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.ffn_hidden=128", "data.seq_len=32",
-         "data.batch_size=4", "data=synthetic", "trainer.limit_val_batches=2", "scheduler.warmup_steps=2",
-         "trainer.enable_progress_bar=false", "callbacks=none"]
+SMALL = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.ffn_hidden=128",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "data=synthetic",
+    "trainer.limit_val_batches=2",
+    "scheduler.warmup_steps=2",
+    "trainer.enable_progress_bar=false",
+    "callbacks=none",
+]
 
 
 @pytest.mark.slow
 def test_ddp_x_deepspeed_sweep_runs_each_job_once(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "train.py", "-m", "+strategy=ddp,zero2", "precision=fp32,bf16", "trainer=ddp_sim",
-           "trainer.max_steps=20", *SMALL, f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "+strategy=ddp,zero2",
+        "precision=fp32,bf16",
+        "trainer=ddp_sim",
+        "trainer.max_steps=20",
+        *SMALL,
+        f"hydra.sweep.dir={sweep}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -40,8 +59,10 @@ def test_ddp_x_deepspeed_sweep_runs_each_job_once(tmp_path):
 
     rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
     assert len(rows) == 4
-    pairs = {(o.split("+strategy=")[1].split()[0], o.split("precision=")[1].split()[0])
-             for o in (r["overrides"] for r in rows)}
+    pairs = {
+        (o.split("+strategy=")[1].split()[0], o.split("precision=")[1].split()[0])
+        for o in (r["overrides"] for r in rows)
+    }
     assert pairs == seen
     assert all("trainer.max_steps=20" in r["overrides"] for r in rows)
     md = (sweep / "sweep_summary.md").read_text()

@@ -48,8 +48,9 @@ def check_schema(metrics: dict) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_true"])
 def test_fit_per_precision_writes_metrics(tmp_path, precision):
     # 5 steps with validation every 2: the app adds a validation pass at the last step.
-    cfg = compose_config([*TINY, "trainer.max_steps=5", f"precision={precision}", "data=synthetic", "callbacks=none"],
-                         tmp_path)
+    cfg = compose_config(
+        [*TINY, "trainer.max_steps=5", f"precision={precision}", "data=synthetic", "callbacks=none"], tmp_path
+    )
     metrics = train(cfg)
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     check_schema(on_disk)
@@ -57,13 +58,21 @@ def test_fit_per_precision_writes_metrics(tmp_path, precision):
     assert on_disk["global_step"] == 5
     assert on_disk["tokens_seen"] == 5 * 4 * 32
     assert on_disk["zero_stage"] is None
-    assert math.isfinite(on_disk["train_loss"]) and math.isfinite(on_disk["val_loss"])
+    assert math.isfinite(on_disk["train_loss"])
+    assert math.isfinite(on_disk["val_loss"])
     assert metrics["n_params"] == on_disk["n_params"]
 
 
 def test_validation_loss_falls_on_the_stdlib_corpus(tmp_path):
-    overrides = [*TINY, "trainer.max_steps=40", "scheduler.warmup_steps=4", "trainer.val_check_interval=40",
-                 "data.max_bytes=500000", "optimizer.lr=0.005", "callbacks=none"]
+    overrides = [
+        *TINY,
+        "trainer.max_steps=40",
+        "scheduler.warmup_steps=4",
+        "trainer.val_check_interval=40",
+        "data.max_bytes=500000",
+        "optimizer.lr=0.005",
+        "callbacks=none",
+    ]
     metrics = train(compose_config(overrides, tmp_path))
     # ln(256) = 5.55 nats is the loss of a uniform guess over bytes; real text is learnt quickly.
     assert metrics["val_loss"] < 3.6
@@ -79,8 +88,11 @@ def test_unknown_options_list_the_choices_without_traceback():
 
 @pytest.mark.parametrize(
     ("args", "key"),
-    [(("precision=fp16", "trainer.accelerator=cpu"), "precision"), (("optimizer.lr=-1",), "optimizer.lr"),
-     (("data=text_file", "data.path=/nonexistent/corpus"), "data.path")],
+    [
+        (("precision=fp16", "trainer.accelerator=cpu"), "precision"),
+        (("optimizer.lr=-1",), "optimizer.lr"),
+        (("data=text_file", "data.path=/nonexistent/corpus"), "data.path"),
+    ],
 )
 def test_bad_input_exits_with_one_clear_line(tmp_path, args, key):
     proc = run_cli(*args, f"hydra.run.dir={tmp_path}/run")
@@ -92,8 +104,15 @@ def test_bad_input_exits_with_one_clear_line(tmp_path, args, key):
 
 @RunIf(min_cuda_gpus=1)
 def test_fp16_fit_on_gpu_uses_the_configured_loss_scaler(tmp_path):
-    overrides = [*TINY, "precision=fp16", "precision.init_scale=1024", "precision.growth_interval=7",
-                 "trainer.accelerator=gpu", "data=synthetic", "callbacks=none"]
+    overrides = [
+        *TINY,
+        "precision=fp16",
+        "precision.init_scale=1024",
+        "precision.growth_interval=7",
+        "trainer.accelerator=gpu",
+        "data=synthetic",
+        "callbacks=none",
+    ]
     metrics = train(compose_config(overrides, tmp_path))
     assert metrics["trainer_precision"] == "16-mixed"
     assert math.isfinite(metrics["train_loss"])
@@ -101,9 +120,16 @@ def test_fp16_fit_on_gpu_uses_the_configured_loss_scaler(tmp_path):
 
 @RunIf(deepspeed=True)
 def test_documented_zero3_command_runs_stage_3(tmp_path):
-    proc = run_cli("+strategy=zero3", "precision=bf16", "trainer.max_steps=3", "scheduler.warmup_steps=1",
-                   "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "data.max_bytes=300000",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        "+strategy=zero3",
+        "precision=bf16",
+        "trainer.max_steps=3",
+        "scheduler.warmup_steps=1",
+        "trainer.limit_val_batches=2",
+        "trainer.enable_progress_bar=false",
+        "data.max_bytes=300000",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     check_schema(metrics)

@@ -79,7 +79,11 @@ def test_llama_presets_have_published_shapes(tmp_path):
 
     seven = instantiate(compose_config(["model=llama_7b"], tmp_path).model)
     assert (seven.n_layers, seven.d_model, seven.n_heads, seven.ffn_hidden, seven.vocab_size) == (
-        32, 4096, 32, 11008, 32000,
+        32,
+        4096,
+        32,
+        11008,
+        32000,
     )
     assert seven.n_params() == pytest.approx(6.74e9, rel=0.002)
     thirteen = instantiate(compose_config(["model=llama_13b"], tmp_path).model)

@@ -26,8 +26,12 @@ def test_no_warmup_starts_at_peak():
 
 @pytest.mark.parametrize(
     ("warmup", "total", "ratio", "key"),
-    [(10, 10, 0.0, "scheduler.warmup_steps"), (-1, 10, 0.0, "scheduler.warmup_steps"),
-     (1, 0, 0.0, "scheduler.total_steps"), (1, 10, 1.5, "scheduler.min_lr_ratio")],
+    [
+        (10, 10, 0.0, "scheduler.warmup_steps"),
+        (-1, 10, 0.0, "scheduler.warmup_steps"),
+        (1, 0, 0.0, "scheduler.total_steps"),
+        (1, 10, 1.5, "scheduler.min_lr_ratio"),
+    ],
 )
 def test_bad_schedules_are_refused(warmup, total, ratio, key):
     with pytest.raises(ConfigError) as err:

@@ -22,7 +22,8 @@ def test_packed_sequences_are_shifted_by_one():
     assert x.shape == y.shape == (64,)
     assert torch.equal(x[1:], y[:-1])
     xb, yb = next(iter(dm.train_dataloader()))
-    assert xb.shape == (4, 64) and xb.dtype == torch.long
+    assert xb.shape == (4, 64)
+    assert xb.dtype == torch.long
 
 
 def test_validation_is_held_out_tail():
@@ -50,8 +51,12 @@ def test_synthetic_covers_the_vocabulary():
 
 @pytest.mark.parametrize(
     ("kwargs", "key"),
-    [({"corpus": "text_file"}, "data.path"), ({"seq_len": 0}, "data.seq_len"),
-     ({"num_workers": 0, "prefetch_factor": 2}, "data.prefetch_factor"), ({"corpus": "wiki"}, "data.corpus")],
+    [
+        ({"corpus": "text_file"}, "data.path"),
+        ({"seq_len": 0}, "data.seq_len"),
+        ({"num_workers": 0, "prefetch_factor": 2}, "data.prefetch_factor"),
+        ({"corpus": "wiki"}, "data.corpus"),
+    ],
 )
 def test_bad_data_options(kwargs, key):
     with pytest.raises(ConfigError) as err:

@@ -31,8 +31,15 @@ def test_tied_embeddings_share_storage():
 
 
 def test_llama_7b_builds_on_meta_device_without_memory():
-    cfg = GPTConfig(vocab_size=32000, n_layers=32, d_model=4096, n_heads=32, ffn_hidden=11008,
-                    max_seq_len=4096, tie_embeddings=False)
+    cfg = GPTConfig(
+        vocab_size=32000,
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        ffn_hidden=11008,
+        max_seq_len=4096,
+        tie_embeddings=False,
+    )
     with torch.device("meta"):
         model = GPT(cfg)
     n = sum(p.numel() for p in model.parameters())
