@@ -1,9 +1,12 @@
-"""Console entry points (``trainopt-train``) and the Hydra mains that ``train.py`` re-exports."""
+"""Console entry points (``trainopt-train``, ``trainopt-plan``), which ``train.py`` and ``plan.py`` call."""
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
@@ -11,28 +14,66 @@ from omegaconf import DictConfig
 from lightning_trainopt.app.multirun import apply_child_command
 from lightning_trainopt.exceptions import TrainOptError
 
-__all__ = ["CONFIG_DIR", "run_hydra", "train_main"]
+__all__ = ["CONFIG_DIR", "plan_main", "run_hydra", "train_main"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _refuse(err: TrainOptError) -> None:
+    """A user error: one clear line, no traceback, nothing saved before touched.
+
+    In a sweep, the job is recorded as ``status: refused`` in its metrics.json and the sweep goes on (a ladder's
+    rung that a pre-flight check refuses is a result, not a crash); a single run exits with code 2.
+    """
+    print(f"error: {err}", file=sys.stderr)
+    if not _in_multirun():
+        sys.exit(2)
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    (run_dir / "metrics.json").write_text(json.dumps({"status": "refused", "error": str(err)}, indent=2))
+
+
+def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
+    def run(cfg: DictConfig) -> None:
+        try:
+            task(cfg)
+        except TrainOptError as err:
+            _refuse(err)
+
+    return run
 
 
 def _train_task(cfg: DictConfig) -> None:
     from lightning_trainopt.app.train import train
 
-    try:
-        train(cfg)
-    except TrainOptError as err:
-        # A user error: one clear line, no traceback; nothing saved before is touched.
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    train(cfg)
 
 
-def run_hydra(task, config_name: str) -> None:  # type: ignore[no-untyped-def]
-    """Run ``task`` under ``@hydra.main`` with this repository's ``conf/`` tree."""
+def _plan_task(cfg: DictConfig) -> None:
+    from lightning_trainopt.app.plan import plan_task
+
+    plan_task(cfg)
+
+
+def run_hydra(task: Callable[[DictConfig], Any], config_name: str) -> None:
+    """Run ``task`` under ``@hydra.main`` with this repository's ``conf/`` tree; user errors are reported plainly."""
     apply_child_command()
-    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(task)()
+    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
 
 
 def train_main() -> None:
     """``trainopt-train`` / ``python train.py``."""
     run_hydra(_train_task, "train")
+
+
+def plan_main() -> None:
+    """``trainopt-plan`` / ``python plan.py``."""
+    run_hydra(_plan_task, "plan")

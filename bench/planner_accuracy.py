@@ -1,0 +1,178 @@
+"""Planner accuracy: predicted vs measured bytes.
+
+    python bench/planner_accuracy.py activations      # saved-for-backward bytes, CPU, seconds
+    python bench/planner_accuracy.py states           # per-rank model states, 2 CPU processes x ddp/zero1/zero2/zero3
+    python bench/planner_accuracy.py gpu              # gpt_1b bf16 peak vs torch.cuda.max_memory_allocated (CUDA)
+
+Each mode prints a table (predicted, measured, error) and exits non-zero when a row misses its target
+(model states 5%, activations 10%, GPU peak 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_trainopt.core.estimate import (  # noqa: E402
+    OPTIMIZER_STATES,
+    ActivationPolicy,
+    StrategyLayout,
+    estimate_model_states,
+    estimate_transformer_activations,
+    gpt_param_groups,
+)
+from lightning_trainopt.core.saved_tensors import SavedTensorsCounter, transform_saved_tensors  # noqa: E402
+from lightning_trainopt.models import GPT, GPTConfig  # noqa: E402
+
+DEMO = GPTConfig(name="demo", vocab_size=256, n_layers=4, d_model=128, n_heads=4, ffn_hidden=352, max_seq_len=512)
+GQA = GPTConfig(
+    name="demo_gqa", vocab_size=256, n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_hidden=352, max_seq_len=512
+)
+PRECISIONS = {
+    "fp32": ("32-true", torch.float32, False),
+    "bf16-mixed": ("bf16-mixed", torch.float32, True),
+    "bf16-true": ("bf16-true", torch.bfloat16, False),
+}
+POLICIES = {
+    "none": ActivationPolicy(),
+    "checkpoint": ActivationPolicy(1),
+    "checkpoint_every_2nd": ActivationPolicy(2),
+    "int8": ActivationPolicy(compress_bits=8),
+}
+
+
+def measure_activations(cfg: GPTConfig, precision: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """Saved-for-backward bytes of one real CPU forward, counted by core.saved_tensors with the real techniques."""
+    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.techniques.compression import Int8Compressor
+
+    _, dtype, autocast = PRECISIONS[precision]
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dtype)
+    policy = POLICIES[policy_name]
+    if policy.checkpoint_every:
+        apply_activation_checkpointing(model, CheckpointPolicy(every_k=policy.checkpoint_every))
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len))
+    y = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len))
+    compressor = Int8Compressor() if policy.compress_bits else None
+    with SavedTensorsCounter(params=model.parameters()) as counter:
+        if compressor is not None:
+            with transform_saved_tensors(compressor):
+                loss = _loss(model, x, y, autocast)
+        else:
+            loss = _loss(model, x, y, autocast)
+    loss.backward()
+    return counter.report().activation_bytes
+
+
+def _loss(model: GPT, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> torch.Tensor:
+    # The loss exactly as LitGPT._loss computes it.
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def predict_activations(cfg: GPTConfig, precision: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
+    tp, _, autocast = PRECISIONS[precision]
+    est = estimate_transformer_activations(
+        cfg, micro_batch, seq_len, 4 if tp == "32-true" else 2, autocast, POLICIES[policy_name]
+    )
+    return est.bytes("activations")
+
+
+def activation_rows(quick: bool = False) -> list[dict[str, Any]]:
+    shapes = [(2, 64), (8, 128)] if quick else [(1, 64), (4, 128), (8, 256), (2, 512)]
+    rows = []
+    for cfg in [DEMO] if quick else [DEMO, GQA]:
+        for precision in ["fp32", "bf16-mixed"] if quick else list(PRECISIONS):
+            for pol in POLICIES:
+                for mb, t in shapes:
+                    pred = predict_activations(cfg, precision, pol, mb, t)
+                    meas = measure_activations(cfg, precision, pol, mb, t)
+                    rows.append(
+                        {
+                            "model": cfg.name,
+                            "precision": precision,
+                            "activations": pol,
+                            "micro_batch": mb,
+                            "seq_len": t,
+                            "predicted": pred,
+                            "measured": meas,
+                            "error": pred / meas - 1,
+                        }
+                    )
+    return rows
+
+
+# ---------------------------------------------------------------- model states on 2 CPU processes
+
+
+def predict_states(strategy: str, precision: str, world: int) -> dict[str, int]:
+    layout = _layout(strategy)
+    est = estimate_model_states(gpt_param_groups(STATES_MODEL), precision, layout, OPTIMIZER_STATES["adamw"], world)
+    return {c: est.bytes(c) + est.bytes(c, "cpu") for c in ("params", "grads", "optimizer_states")}
+
+
+def _layout(strategy: str) -> StrategyLayout:
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.app.plan_inputs import strategy_layout
+
+    node = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "strategy" / f"{strategy}.yaml")
+    return strategy_layout(node, 2)
+
+
+STATES_MODEL = GPTConfig(
+    name="gpt_125m_narrow", vocab_size=256, n_layers=4, d_model=256, n_heads=4, ffn_hidden=704, max_seq_len=256
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["activations", "states", "gpu"])
+    parser.add_argument("--quick", action="store_true", help="fewer rows (the test suite's setting)")
+    args = parser.parse_args()
+    if args.mode == "activations":
+        rows = activation_rows(args.quick)
+        _print(rows, ["model", "precision", "activations", "micro_batch", "seq_len"], 0.10)
+    elif args.mode == "states":
+        from bench.planner_states import states_rows  # noqa: PLC0415
+
+        _print(states_rows(), ["strategy", "precision", "category"], 0.05)
+    else:
+        from bench.planner_gpu import gpu_rows  # noqa: PLC0415
+
+        _print(gpu_rows(), ["model", "activations", "micro_batch", "seq_len"], 0.10)
+
+
+def _print(rows: list[dict[str, Any]], keys: list[str], tol: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"planner accuracy (target |error| <= {tol:.0%})")
+    for k in [*keys, "predicted", "measured", "error"]:
+        table.add_column(k, justify="right")
+    bad = 0
+    for r in rows:
+        ok = abs(r["error"]) <= tol
+        bad += not ok
+        table.add_row(
+            *[str(r[k]) for k in keys],
+            f"{r['predicted']:,}",
+            f"{r['measured']:,}",
+            f"{'' if ok else '[red]'}{r['error']:+.2%}",
+        )
+    Console(width=160).print(table)
+    print(f"{len(rows) - bad}/{len(rows)} rows within {tol:.0%}")
+    if bad:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Pure arithmetic of the planner: per-device memory by category, speed and dollars, before launch."""
+
+from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
+from lightning_trainopt.core.estimate.measure import measure_activation_bytes
+from lightning_trainopt.core.estimate.model_states import (
+    StrategyLayout,
+    estimate_model_states,
+    param_dtype_bytes,
+    textbook_model_state_bytes,
+)
+from lightning_trainopt.core.estimate.optimizer_state import (
+    OPTIMIZER_STATES,
+    OptimizerStateModel,
+    optimizer_state_model,
+)
+from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs, estimate_plan, gpt_param_groups
+from lightning_trainopt.core.estimate.search import Candidate, SearchSpace, rank_candidates, search_plans
+from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.core.estimate.terms import CATEGORIES, LOCATIONS, MemoryEstimate, Term
+
+__all__ = [
+    "CATEGORIES",
+    "LOCATIONS",
+    "OPTIMIZER_STATES",
+    "ActivationPolicy",
+    "Candidate",
+    "MemoryEstimate",
+    "OptimizerStateModel",
+    "PlanEstimate",
+    "PlanInputs",
+    "SearchSpace",
+    "SpeedEstimate",
+    "StrategyLayout",
+    "Term",
+    "estimate_model_states",
+    "estimate_plan",
+    "estimate_speed",
+    "estimate_transformer_activations",
+    "gpt_param_groups",
+    "measure_activation_bytes",
+    "optimizer_state_model",
+    "param_dtype_bytes",
+    "rank_candidates",
+    "search_plans",
+    "textbook_model_state_bytes",
+]

@@ -1,0 +1,199 @@
+"""Analytic bytes saved for backward by the demo transformer (:class:`~lightning_trainopt.models.GPT`).
+
+Derived op by op from ``models/gpt.py`` (what each autograd node keeps, counted once per storage, parameters apart
+— the same rules as :mod:`lightning_trainopt.core.saved_tensors`), per token and per block, with ``a`` the bytes of
+the compute dtype:
+
+- each RMSNorm: its fp32 input (``x.float()``), ``rsqrt`` (1 value) and the normalised fp32 tensor: ``8d + 4``;
+- linear inputs: ``a·d`` per distinct input; under autocast every ``Linear`` casts its input again
+  (3 copies for q/k/v, 2 for gate/up), without autocast q/k/v share one;
+- attention: rotated q and k, v, the output and the o_proj input: ``a·(3d + 2·d_kv)``, plus the fp32 log-sum-exp
+  ``4·H`` of SDPA's flash / memory-efficient kernels; the ``math`` kernel also keeps the ``H x T`` probabilities
+  (the quadratic term that flash kernels remove);
+- SwiGLU: gate output, ``silu(gate)``, up output and their product: ``4·F·a``.
+
+Outside the blocks: token ids (8 B), the final norm (``8d + 4``), the lm_head input (``a·d``), the fp32 log-softmax
+of the loss (``4·V``), the targets (8 B) and one rotary table (``4·T·head_dim`` per micro-batch). Under autocast
+the half copies of every ``Linear`` weight are saved too (2 B per weight element).
+
+Techniques: non-reentrant checkpointing keeps only each checkpointed block's input (``s·d``, ``s`` the residual
+stream's bytes); ``every_k`` checkpoints blocks 0, k, 2k, ...; 8-bit compression stores floating tensors of at
+least ``min_numel`` elements as int8 (padded to whole blocks) plus an fp32 scale per ``block`` elements
+(``techniques/compression.py``); offload moves saved tensors to
+CPU memory (device bytes 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models.config import GPTConfig
+
+__all__ = ["ActivationPolicy", "estimate_transformer_activations"]
+
+_ATTENTION = ("sdpa", "math")
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """How saved activations are treated (plain data, built from ``cfg.activations``).
+
+    Args:
+        checkpoint_every: 0 for none, 1 to checkpoint every block, k for blocks 0, k, 2k, ...
+        offload: saved tensors go to CPU memory.
+        compress_bits: 8 for int8 compression of saved tensors, ``None`` for none.
+        compress_block: elements per fp32 scale of the compression.
+        compress_min_numel: smaller tensors are stored uncompressed.
+        name: preset name for reports.
+    """
+
+    checkpoint_every: int = 0
+    offload: bool = False
+    compress_bits: int | None = None
+    compress_block: int = 64
+    compress_min_numel: int = 1024
+    name: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ConfigError("activations.every_k", self.checkpoint_every, "use 0 (none), 1 (all) or k >= 2.")
+        if self.compress_bits not in (None, 8):
+            raise ConfigError("activations.bits", self.compress_bits, "the planner models int8 compression (bits=8).")
+
+
+def _compressed(nbytes_per_elem: int, numel: int, policy: ActivationPolicy) -> int:
+    """Bytes one saved floating tensor of ``numel`` elements occupies under the policy."""
+    if policy.compress_bits is None or numel < policy.compress_min_numel:
+        return nbytes_per_elem * numel
+    blocks = math.ceil(numel / policy.compress_block)
+    return blocks * policy.compress_block + 4 * blocks  # int8 codes padded to whole blocks + fp32 scales
+
+
+def estimate_transformer_activations(
+    cfg: GPTConfig,
+    micro_batch: int,
+    seq_len: int,
+    compute_bytes: int,
+    autocast: bool,
+    policy: ActivationPolicy | None = None,
+    attention: str = "sdpa",
+) -> MemoryEstimate:
+    """Bytes saved for backward by one micro-batch, on one device, plus the backward-time transient.
+
+    Args:
+        cfg: the model's shape.
+        micro_batch: sequences per device per forward.
+        seq_len: tokens per sequence.
+        compute_bytes: 2 for bf16/fp16 compute, 4 for fp32.
+        autocast: ``True`` under Lightning's ``*-mixed`` precision (fp32 weights, autocast casts per op).
+        policy: checkpointing / offload / compression.
+        attention: ``sdpa`` (flash or memory-efficient kernel, linear in T) or ``math`` (keeps the T x T scores).
+
+    Raises:
+        ConfigError: bad micro-batch, sequence length or attention kernel.
+    """
+    policy = policy or ActivationPolicy()
+    if micro_batch < 1:
+        raise ConfigError("data.batch_size", micro_batch, "use a positive micro-batch size.")
+    if not 1 <= seq_len <= cfg.max_seq_len:
+        raise ConfigError("data.seq_len", seq_len, f"use 1..model.max_seq_len={cfg.max_seq_len}.")
+    if attention not in _ATTENTION:
+        raise ConfigError("plan.attention", attention, f"use one of {', '.join(_ATTENTION)}.")
+    a, d, f, h = compute_bytes, cfg.d_model, cfg.ffn_hidden, cfg.n_heads
+    dkv = cfg.kv_heads * cfg.head_dim
+    bt = micro_batch * seq_len
+    stream = 4 if (autocast or a == 4) else 2
+
+    def saved(elem: int, numel: int) -> int:
+        return _compressed(elem, numel, policy)
+
+    # One block's saved tensors, as (bytes per element, elements) of each distinct tensor.
+    block_tensors = [(4, bt * d), (4, bt), (4, bt * d)] * 2  # two RMSNorms: fp32 input, rsqrt, normalised
+    block_tensors += [(a, bt * d)] * ((3 if autocast else 1) + (2 if autocast else 1))  # linear inputs
+    block_tensors += [
+        (a, bt * d),
+        (a, bt * dkv),
+        (a, bt * dkv),
+        (a, bt * d),
+        (a, bt * d),
+        (4, micro_batch * h * seq_len),
+    ]
+    block_tensors += [(a, bt * f)] * 4
+    if attention == "math":
+        block_tensors += [(a, micro_batch * h * seq_len * seq_len)]
+    full_block = sum(saved(e, k) for e, k in block_tensors)
+    ckpt_block = saved(stream, bt * d)
+    n_ckpt = 0 if policy.checkpoint_every == 0 else math.ceil(cfg.n_layers / policy.checkpoint_every)
+    n_full = cfg.n_layers - n_ckpt
+    where = "cpu" if policy.offload else "device"
+    per_tok = (full_block / bt) if bt else 0
+    terms = [
+        Term(
+            "activations",
+            where,
+            f"{n_full} full blocks",
+            n_full * full_block,
+            f"{n_full} x {bt:,} tok x {per_tok:,.0f} B",
+        ),
+        Term(
+            "activations",
+            where,
+            f"{n_ckpt} checkpointed block inputs",
+            n_ckpt * ckpt_block,
+            f"{n_ckpt} x {bt:,} tok x {stream} B x {d}",
+        ),
+    ]
+    head = saved(4, bt * d) * 2 + 4 * bt + saved(a, bt * d) + saved(4, bt * cfg.vocab_size)
+    terms.append(
+        Term("activations", where, "final norm, lm_head input, log-softmax", head, f"{bt:,} tok x (8d+4+a·d+4V)")
+    )
+    terms.append(
+        Term(
+            "activations",
+            where,
+            "token ids, targets, rotary table",
+            16 * bt + saved(4, seq_len * cfg.head_dim) + 4,
+            "16 B/tok + 4 B x T x head_dim + loss weight",
+        )
+    )
+    if autocast:
+        # One half copy per Linear weight, each its own saved tensor (so compressed one by one under int8).
+        block_mats = [d * d, d * dkv, d * dkv, d * d, d * f, d * f, f * d]
+        n_w = cfg.vocab_size * d + n_full * sum(block_mats)
+        copies = saved(2, cfg.vocab_size * d) + n_full * sum(saved(2, k) for k in block_mats)
+        terms.append(
+            Term("activations", where, "autocast half weight copies", copies, f"2 B x {n_w:,} (lm_head + full blocks)")
+        )
+    if a == 2 and not autocast:
+        # Half-precision weights: each RMSNorm multiplies by ``weight.float()``, an fp32 copy saved for backward.
+        n_norms = 2 * n_full + 1
+        terms.append(
+            Term("activations", where, "fp32 copies of norm weights", n_norms * saved(4, d), f"{n_norms} x 4 B x d")
+        )
+    if n_ckpt:
+        # Backward re-runs one checkpointed block and holds its activations while its gradient is computed.
+        terms.append(
+            Term(
+                "other",
+                "device",
+                "recomputed block (backward)",
+                full_block,
+                "one block's activations",
+                phase="backward",
+            )
+        )
+    terms.append(
+        Term(
+            "other",
+            "device",
+            "logits + their gradient",
+            (a + 4) * bt * cfg.vocab_size,
+            f"{bt:,} tok x (a+4) B x V",
+            phase="backward",
+        )
+    )
+    # Saved activations live from the forward to their backward: the backward phase of the step.
+    return MemoryEstimate.of(replace(t, phase="backward") if t.category == "activations" else t for t in terms)

@@ -1,0 +1,295 @@
+"""Per-rank bytes of parameters, gradients and optimizer states, as each implementation really stores them.
+
+Sources read for every rule (deepspeed 0.19, lightning 2.6, torch 2.13):
+
+- Lightning AMP (``bf16-mixed``/``16-mixed``) keeps fp32 weights and fp32 ``.grad``; autocast makes half copies
+  on the fly (counted with activations, they are saved for backward). ``*-true`` stores everything in the half dtype,
+  and torch optimizers allocate ``zeros_like(param)`` states, so in the half dtype too.
+- DDP (``gradient_as_bucket_view=False``, Lightning's default) keeps gradient buckets the size of all gradients.
+- DeepSpeed ZeRO-1/2 (``stage_1_and_2.py``): a flat half-precision copy of all weights, padded to a multiple of
+  ``2 x world``; an fp32 master partition (``single_partition_of_fp32_groups``, a ``.clone().float()`` even in fp32);
+  optimizer moments on that partition; the fp32 gradient partition built in ``step``. Both reduce gradients into
+  ``grads_in_partition`` (every parameter touching the rank's 1/world slice, whole) as they are produced — ZeRO-1
+  only at the accumulation boundary, keeping full half ``param.grad`` in between.
+- DeepSpeed ZeRO-3 (``stage3.py``): every parameter partitioned on its own (``ceil(numel / world)``); parameters
+  under ``param_persistence_threshold`` elements also stay gathered on every rank; gradient partitions in
+  ``gradient_accumulation_dtype`` (the model dtype); fp32 master copy unless the model is already fp32 on device.
+- FSDP2 (``fully_shard``): parameters, gradients and optimizer states sharded by world size in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
+from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+
+__all__ = ["StrategyLayout", "estimate_model_states", "param_dtype_bytes"]
+
+_KINDS = ("single", "ddp", "fsdp", "deepspeed")
+_PLACES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class StrategyLayout:
+    """What the planner needs to know about a strategy (plain data, built from ``cfg.strategy``).
+
+    Args:
+        name: preset name for reports (``zero2``, ``ddp``, ...).
+        kind: ``single`` (one device), ``ddp``, ``fsdp`` (FSDP2) or ``deepspeed``.
+        zero_stage: 1, 2 or 3 for DeepSpeed; 0 otherwise.
+        offload_optimizer: ``none``, ``cpu`` or ``nvme`` (optimizer states, master weights, fp32 gradients).
+        offload_params: ``none``, ``cpu`` or ``nvme`` (ZeRO-3 and FSDP only).
+        reduce_bucket_size: DeepSpeed gradient-reduction bucket, in elements (Lightning's default 2e8).
+        param_persistence_threshold: ZeRO-3 keeps parameters smaller than this gathered on every rank (1e5).
+
+    Example::
+
+        StrategyLayout(name="zero2", kind="deepspeed", zero_stage=2)
+    """
+
+    name: str = "auto"
+    kind: str = "single"
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    reduce_bucket_size: int = 200_000_000
+    param_persistence_threshold: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ConfigError("strategy.kind", self.kind, f"use one of {', '.join(_KINDS)}.")
+        if self.kind == "deepspeed" and self.zero_stage not in (1, 2, 3):
+            raise ConfigError("strategy.stage", self.zero_stage, "use ZeRO stage 1, 2 or 3.")
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(self, key) not in _PLACES:
+                raise ConfigError(f"strategy.{key}", getattr(self, key), f"use one of {', '.join(_PLACES)}.")
+        if self.offload_params != "none" and not (self.kind == "fsdp" or self.zero_stage == 3):
+            raise IncompatibleConfigError(
+                {"strategy": self.name, "offload_params": self.offload_params},
+                "parameter offload exists only in ZeRO-3 and FSDP.",
+                "use +strategy=zero3_offload or +strategy=fsdp_offload.",
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params) and self.zero_stage != 3:
+            raise IncompatibleConfigError(
+                {"strategy": self.name, "offload": "nvme"},
+                "NVMe offload (ZeRO-Infinity) exists only in ZeRO-3.",
+                "use +strategy=zero_infinity.",
+            )
+
+    @property
+    def world_sharded(self) -> bool:
+        return self.kind in ("fsdp", "deepspeed")
+
+
+def param_dtype_bytes(trainer_precision: str, layout: StrategyLayout) -> tuple[int, int]:
+    """(weight bytes, gradient bytes) per element as the strategy stores the model's own parameters."""
+    half = trainer_precision.startswith(("bf16", "16")) or trainer_precision == "transformer-engine"
+    if layout.kind == "deepspeed":
+        # Lightning hands DeepSpeed `bf16`/`fp16` enabled for both -mixed and -true: the engine casts the module.
+        return (2, 2) if half else (4, 4)
+    if trainer_precision.endswith("-true") and half:
+        return 2, 2
+    return 4, 4
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g}e9" if n >= 1e6 else f"{int(n):,}"
+
+
+def _where(place: str) -> str:
+    return "device" if place == "none" else place
+
+
+def estimate_model_states(
+    param_groups: Sequence[Sequence[int]],
+    trainer_precision: str,
+    layout: StrategyLayout,
+    optimizer: OptimizerStateModel,
+    world_size: int,
+    rank: int | None = None,
+    accumulate: int = 1,
+    foreach: bool = False,
+) -> MemoryEstimate:
+    """Per-rank bytes of parameters, gradients and optimizer states.
+
+    Args:
+        param_groups: element counts of the trainable parameters, one list per optimizer param group
+            (each shared parameter once), e.g. ``[[4096 * 4096, ...], [4096, ...]]``.
+        trainer_precision: Lightning's precision string (``32-true``, ``bf16-mixed``, ...).
+        layout: the strategy.
+        optimizer: how the optimizer stores its state.
+        world_size: data-parallel ranks (devices x nodes).
+        rank: the rank to account where ranks differ (ZeRO-2 gradient partitions); ``None``: the worst rank.
+        accumulate: gradient accumulation steps; above 1, gradients live through the next forward too.
+        foreach: the torch optimizer runs its multi-tensor (``foreach``) path, the CUDA default, whose
+            ``_foreach_sqrt`` of the second moments is a temporary as large as those moments.
+
+    Raises:
+        ConfigError: ``world_size`` below 1.
+    """
+    if world_size < 1:
+        raise ConfigError("trainer.devices", world_size, "plan for at least one device.")
+    w = world_size
+    numels = [n for g in param_groups for n in g]
+    n = sum(numels)
+    wb, gb = param_dtype_bytes(trainer_precision, layout)
+    grad_phase = "step" if accumulate == 1 else "all"
+    terms: list[Term] = []
+    if layout.kind in ("single", "ddp"):
+        terms.append(Term("params", "device", f"{8 * wb}-bit weights", wb * n, f"{wb} B x {_gb(n)}"))
+        terms.append(Term("grads", "device", f"{8 * gb}-bit .grad", gb * n, f"{gb} B x {_gb(n)}", phase=grad_phase))
+        if foreach and optimizer.bits == 32 and optimizer.n_states == 2:
+            terms.append(
+                Term("other", "device", "foreach Adam sqrt temporary", wb * n, f"{wb} B x {_gb(n)}", phase="in_step")
+            )
+        terms.append(
+            Term("optimizer_states", "device", optimizer.name, optimizer.bytes_for(numels, wb), optimizer.formula(wb))
+        )
+        if layout.kind == "ddp" and w > 1:
+            terms.append(Term("other", "device", "DDP gradient buckets", gb * n, f"{gb} B x {_gb(n)}"))
+        return MemoryEstimate.of(terms)
+    if layout.kind == "fsdp":
+        shards = [math.ceil(k / w) for k in numels]
+        s = sum(shards)
+        where = _where(layout.offload_params)
+        terms.append(Term("params", where, f"{8 * wb}-bit weight shards", wb * s, f"{wb} B x {_gb(n)} / {w}"))
+        terms.append(
+            Term("grads", where, f"{8 * gb}-bit gradient shards", gb * s, f"{gb} B x {_gb(n)} / {w}", phase=grad_phase)
+        )
+        terms.append(
+            Term("optimizer_states", where, optimizer.name, optimizer.bytes_for(shards, wb), optimizer.formula(wb))
+        )
+        return MemoryEstimate.of(terms)
+    return _deepspeed(param_groups, numels, n, wb, layout, optimizer, w, rank, accumulate)
+
+
+def _params_in_partition_numel(group: Sequence[int], partition: int, rank: int) -> int:
+    """Elements of the parameters that intersect ``rank``'s partition, counted whole (``get_partition_info``)."""
+    start, end = rank * partition, (rank + 1) * partition
+    total, offset = 0, 0
+    for n in group:
+        if start <= offset < end or offset < start < offset + n:
+            total += n
+        offset += n
+    return total
+
+
+def _deepspeed(
+    param_groups: Sequence[Sequence[int]],
+    numels: list[int],
+    n: int,
+    h: int,
+    layout: StrategyLayout,
+    optimizer: OptimizerStateModel,
+    w: int,
+    rank: int | None,
+    accumulate: int,
+) -> MemoryEstimate:
+    terms: list[Term] = []
+    opt_where = _where(layout.offload_optimizer)
+    if layout.zero_stage in (1, 2):
+        # Each param group is one flat buffer padded to a multiple of 2 x world (nccl_start_alignment_factor).
+        nonempty = [g for g in param_groups if sum(g)]
+        padded = [math.ceil(sum(g) / (2 * w)) * 2 * w for g in nonempty]
+        parts = [p // w for p in padded]
+        part = sum(parts)
+        terms.append(Term("params", "device", f"{8 * h}-bit flat weights", h * sum(padded), f"{h} B x {_gb(n)}"))
+        # grads_in_partition holds every parameter that touches this rank's partition, whole (ZeRO-1 and -2 alike
+        # in deepspeed 0.19); report the worst rank (or the asked one).
+        ranks = range(w) if rank is None else [rank]
+        touched = max(sum(_params_in_partition_numel(g, p, r) for g, p in zip(nonempty, parts)) for r in ranks)
+        terms.append(
+            Term(
+                "grads",
+                "device",
+                f"{8 * h}-bit gradient partition",
+                h * touched,
+                f"{h} B x {_gb(touched)} (params touching the 1/{w} partition)",
+            )
+        )
+        if layout.zero_stage == 1 and accumulate > 1:
+            # ZeRO-1 reduces (and frees) .grad only at the accumulation boundary (reduce_ready_partitions_and_remove_
+            # grads); in between, full half gradients accumulate. ZeRO-2 reduces every micro-batch.
+            terms.append(Term("grads", "device", f"{8 * h}-bit .grad between boundaries", h * n, f"{h} B x {_gb(n)}"))
+        # Built in step() and freed at its end (stage_1_and_2.py), unless offload keeps a pinned CPU buffer.
+        terms.append(
+            Term(
+                "grads",
+                opt_where,
+                "fp32 gradient partition (step)",
+                4 * part,
+                f"4 B x {_gb(n)} / {w}",
+                phase="in_step" if opt_where == "device" else "all",
+            )
+        )
+        terms.append(Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}"))
+        terms.append(
+            Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for(parts, 4), optimizer.formula(4))
+        )
+        bucket = min(layout.reduce_bucket_size, n)
+        terms.append(
+            Term(
+                "other", "device", "reduce bucket", h * bucket, f"{h} B x min(reduce_bucket_size, N)", phase="backward"
+            )
+        )
+        return MemoryEstimate.of(terms)
+    shards = [math.ceil(k / w) for k in numels]
+    part = sum(shards)
+    persistent = sum(k for k in numels if k < layout.param_persistence_threshold)
+    p_where = _where(layout.offload_params)
+    terms.append(Term("params", p_where, f"{8 * h}-bit weight partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
+    terms.append(
+        Term(
+            "params",
+            "device",
+            "persistent small params (gathered)",
+            h * persistent,
+            f"{h} B x {_gb(persistent)} (< {layout.param_persistence_threshold:,} elements each)",
+        )
+    )
+    terms.append(Term("grads", opt_where, f"{8 * h}-bit gradient partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
+    if h == 2:
+        terms.append(
+            Term(
+                "grads",
+                opt_where,
+                "fp32 gradient partition (step)",
+                4 * part,
+                f"4 B x {_gb(n)} / {w}",
+                phase="in_step" if opt_where == "device" else "all",
+            )
+        )
+    master_copy = h == 2 or layout.offload_optimizer != "none" or layout.offload_params != "none"
+    if master_copy:
+        terms.append(Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}"))
+    terms.append(
+        Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for([part], 4), optimizer.formula(4))
+    )
+    return MemoryEstimate.of(terms)
+
+
+def textbook_model_state_bytes(n_params: int, scheme: str) -> dict[str, int]:
+    """The design articles' per-parameter accounting (ZeRO paper, section 3.1), for the printed derivation.
+
+    Args:
+        n_params: parameter count.
+        scheme: ``fp32`` (4 + 4 + 8 = 16 B: fp32 weights, grads, Adam m and v) or ``mixed`` (2 + 2 + 12 = 16 B:
+            half weights and grads, fp32 master weights + m + v).
+
+    Raises:
+        ConfigError: unknown scheme.
+    """
+    per = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
+    if scheme not in per:
+        raise ConfigError("scheme", scheme, "use fp32 or mixed.")
+    w, g, o = per[scheme]
+    return {
+        "params": w * n_params,
+        "grads": g * n_params,
+        "optimizer_states": o * n_params,
+        "total": (w + g + o) * n_params,
+    }

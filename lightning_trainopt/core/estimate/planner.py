@@ -1,0 +1,180 @@
+"""One configuration in, a full per-device estimate out: model states + activations + speed + dollars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
+from lightning_trainopt.core.estimate.model_states import StrategyLayout, estimate_model_states
+from lightning_trainopt.core.estimate.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
+from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.core.estimate.terms import MemoryEstimate
+from lightning_trainopt.core.flops import transformer_flops
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models.config import GPTConfig
+
+__all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
+
+
+def gpt_param_groups(cfg: GPTConfig) -> list[list[int]]:
+    """Element counts of :class:`~lightning_trainopt.models.GPT`'s parameters as ``LitGPT.param_groups`` splits them.
+
+    Returns:
+        ``[matrices (weight decay), vectors (no decay)]``; a tied embedding counted once.
+    """
+    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    block = [d * d, d * kv, d * kv, d * d, d * cfg.ffn_hidden, d * cfg.ffn_hidden, cfg.ffn_hidden * d]
+    matrices = [cfg.vocab_size * d] + block * cfg.n_layers
+    if not cfg.tie_embeddings:
+        matrices.append(cfg.vocab_size * d)
+    return [matrices, [d] * (2 * cfg.n_layers + 1)]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the planner needs, as plain values (the app builds it from the Hydra config).
+
+    Args:
+        model: the transformer's shape.
+        trainer_precision: Lightning precision string.
+        layout: the strategy.
+        optimizer: how the optimizer stores state.
+        activations: checkpointing / offload / compression policy.
+        micro_batch: sequences per device per forward (``data.batch_size``).
+        seq_len: tokens per sequence (``data.seq_len``).
+        accumulate: gradient accumulation steps.
+        devices: devices per node.
+        num_nodes: nodes.
+        attention: ``sdpa`` or ``math``.
+        foreach: torch optimizers take their multi-tensor path (the default on CUDA devices).
+    """
+
+    model: GPTConfig
+    trainer_precision: str = "bf16-mixed"
+    layout: StrategyLayout = field(default_factory=StrategyLayout)
+    optimizer: OptimizerStateModel = field(default_factory=lambda: OPTIMIZER_STATES["adamw"])
+    activations: ActivationPolicy = field(default_factory=ActivationPolicy)
+    micro_batch: int = 1
+    seq_len: int = 2048
+    accumulate: int = 1
+    devices: int = 1
+    num_nodes: int = 1
+    attention: str = "sdpa"
+    foreach: bool = False
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError("trainer.devices", self.devices, "plan for a positive device count (e.g. 8).")
+        if self.num_nodes < 1:
+            raise ConfigError("trainer.num_nodes", self.num_nodes, "use a positive node count.")
+        if self.accumulate < 1:
+            raise ConfigError("trainer.accumulate_grad_batches", self.accumulate, "use a positive integer.")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.trainer_precision in ("32-true", "64-true") else 2
+
+    @property
+    def autocast(self) -> bool:
+        # Lightning hands DeepSpeed a half-precision module instead of autocasting.
+        return self.trainer_precision.endswith("-mixed") and self.layout.kind != "deepspeed"
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """The planner's answer for one configuration.
+
+    Args:
+        inputs: what was planned.
+        memory: itemised per-device bytes.
+        speed: step time, tokens/s and dollars.
+        device_memory_bytes: memory of one device (``None`` when unknown).
+        train_flops_per_token: FLOPs the hardware executes per token (recomputation included).
+    """
+
+    inputs: PlanInputs
+    memory: MemoryEstimate
+    speed: SpeedEstimate
+    device_memory_bytes: int | None
+    train_flops_per_token: float
+
+    @property
+    def total_device_bytes(self) -> int:
+        """Sum of every category (as if all coexisted): the conservative figure."""
+        return self.memory.bytes()
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """Predicted peak: what lives all step + the larger of the backward phase and the optimizer-step phase."""
+        return self.memory.peak()
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the predicted peak fits the device's memory (``None`` when that memory is unknown)."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.peak_device_bytes <= self.device_memory_bytes
+
+    @property
+    def margin_bytes(self) -> int | None:
+        return None if self.device_memory_bytes is None else self.device_memory_bytes - self.peak_device_bytes
+
+
+def estimate_plan(
+    inputs: PlanInputs,
+    device_memory_bytes: int | None,
+    peak_flops: float | None,
+    price_per_device_hour: float | None,
+    mfu: float = 0.4,
+    target_tokens: float = 1e9,
+    measured_tokens_per_sec_per_device: float | None = None,
+) -> PlanEstimate:
+    """Estimate memory, speed and cost of one configuration.
+
+    Args:
+        inputs: the configuration.
+        device_memory_bytes: memory of one device.
+        peak_flops: dense peak FLOP/s of one device in the compute dtype.
+        price_per_device_hour: dollars per device-hour.
+        mfu: assumed fraction of the peak sustained.
+        target_tokens: tokens to train, for time and dollars to target.
+        measured_tokens_per_sec_per_device: a measured figure that replaces the FLOPs model.
+    """
+    states = estimate_model_states(
+        gpt_param_groups(inputs.model),
+        inputs.trainer_precision,
+        inputs.layout,
+        inputs.optimizer,
+        inputs.world_size,
+        accumulate=inputs.accumulate,
+        foreach=inputs.foreach,
+    )
+    acts = estimate_transformer_activations(
+        inputs.model,
+        inputs.micro_batch,
+        inputs.seq_len,
+        inputs.compute_bytes,
+        inputs.autocast,
+        inputs.activations,
+        inputs.attention,
+    )
+    flops = transformer_flops(inputs.model, inputs.seq_len, inputs.micro_batch)
+    every = inputs.activations.checkpoint_every
+    n_ckpt = 0 if every == 0 else -(-inputs.model.n_layers // every)
+    hw_flops = flops.hardware_train(recompute_fraction=n_ckpt / inputs.model.n_layers)
+    per_token = hw_flops / (inputs.micro_batch * inputs.seq_len)
+    speed = estimate_speed(
+        per_token,
+        inputs.micro_batch * inputs.seq_len * inputs.accumulate,
+        inputs.world_size,
+        peak_flops,
+        mfu,
+        price_per_device_hour,
+        target_tokens,
+        measured_tokens_per_sec_per_device,
+    )
+    return PlanEstimate(inputs, states + acts, speed, device_memory_bytes, per_token)

@@ -1,0 +1,151 @@
+"""``plan.search=true``: enumerate configurations, drop those that do not fit, rank by dollars per token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from itertools import product
+
+from lightning_trainopt.core.estimate.activations import ActivationPolicy
+from lightning_trainopt.core.estimate.model_states import StrategyLayout
+from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
+from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs
+
+__all__ = ["Candidate", "SearchSpace", "rank_candidates", "search_plans"]
+
+# Ties on dollars (the FLOPs model does not charge offload traffic or reward bigger micro-batches) go to the
+# configuration with fewer moving parts: this order, then fewer bytes.
+_SIMPLICITY = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "offload", "infinity")
+# Activation techniques cost time the FLOPs model does not see (quantisation, PCIe copies): fewest first.
+_ACT_ORDER = ("none", "every_2nd", "checkpoint", "int8", "offload")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The options to combine, each keyed by the preset name the winning command will use.
+
+    Args:
+        precisions: preset name -> Lightning precision string.
+        strategies: preset name -> layout.
+        activations: preset name -> policy.
+        optimizers: preset name -> state model.
+        micro_batches: micro-batch sizes to try; the global batch of the base plan is held fixed.
+    """
+
+    precisions: Mapping[str, str]
+    strategies: Mapping[str, StrategyLayout]
+    activations: Mapping[str, ActivationPolicy]
+    optimizers: Mapping[str, OptimizerStateModel]
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One enumerated configuration and its estimate.
+
+    Args:
+        choices: group -> preset name (``precision``, ``strategy``, ``activations``, ``optimizer``).
+        estimate: the planner's answer.
+        reason: one line saying why it ranks where it does.
+    """
+
+    choices: dict[str, str]
+    estimate: PlanEstimate
+    reason: str = ""
+
+
+def _simplicity(name: str) -> int:
+    for i, key in enumerate(reversed(_SIMPLICITY)):
+        if key in name:
+            return len(_SIMPLICITY) - 1 - i
+    return len(_SIMPLICITY)
+
+
+def _act_rank(policy: ActivationPolicy) -> int:
+    if policy.offload:
+        return 4
+    if policy.compress_bits:
+        return 3
+    return {0: 0, 1: 2}.get(policy.checkpoint_every, 1)
+
+
+def _reason(c: Candidate, best: Candidate | None) -> str:
+    e = c.estimate
+    mem = e.memory.per_device()
+    biggest = max(("params", "grads", "optimizer_states", "activations"), key=lambda k: mem[k])
+    head = f"{biggest} largest"
+    if e.margin_bytes is not None:
+        head += f", {e.margin_bytes / 2**30:.1f} GiB spare"
+    if best is None or e.speed.usd_per_1b_tokens is None or best.estimate.speed.usd_per_1b_tokens is None:
+        return head
+    extra = e.speed.usd_per_1b_tokens / best.estimate.speed.usd_per_1b_tokens - 1
+    if c is best:
+        return f"{head}; cheapest, fewest techniques"
+    return f"{head}; {extra:+.0%} $" + ("" if abs(extra) > 1e-9 else " (more techniques)")
+
+
+def rank_candidates(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Sort fitting candidates: fewest dollars per 1B tokens (or most tokens/s without a price), then simplest."""
+    fitting = [c for c in candidates if c.estimate.fits is not False]
+
+    def key(c: Candidate) -> tuple[float, int, int, int, int, int]:
+        s, i = c.estimate.speed, c.estimate.inputs
+        cost = s.usd_per_1b_tokens if s.usd_per_1b_tokens is not None else -(s.tokens_per_sec_per_device or 0.0)
+        return (
+            round(cost, 9),
+            _simplicity(c.choices.get("strategy", "")),
+            _act_rank(i.activations),
+            int(i.optimizer.bits != 32),
+            -i.micro_batch,
+            c.estimate.total_device_bytes,
+        )
+
+    ranked = sorted(fitting, key=key)
+    best = ranked[0] if ranked else None
+    return [replace(c, reason=_reason(c, best)) for c in ranked]
+
+
+def search_plans(
+    base: PlanInputs,
+    space: SearchSpace,
+    estimate: Callable[[PlanInputs], PlanEstimate],
+) -> tuple[list[Candidate], int]:
+    """Enumerate the space around ``base`` (model, devices, sequence length and global batch kept).
+
+    Args:
+        base: the user's configuration.
+        space: the options.
+        estimate: ``inputs -> PlanEstimate`` with the hardware bound in.
+
+    Returns:
+        (fitting candidates ranked best first, number enumerated).
+    """
+    global_seqs = base.micro_batch * base.accumulate * base.world_size
+    out: list[Candidate] = []
+    n = 0
+    for (pn, prec), (sn, lay), (an, act), (on, opt), mb in product(
+        space.precisions.items(),
+        space.strategies.items(),
+        space.activations.items(),
+        space.optimizers.items(),
+        space.micro_batches,
+    ):
+        if global_seqs % (mb * base.world_size):
+            continue
+        if lay.kind == "ddp" and base.world_size == 1:
+            continue
+        if opt.bits != 32 and lay.kind in ("deepspeed", "fsdp"):
+            # 8-bit optimizer states do not combine with ZeRO/FSDP sharding or offload (DeepSpeed #6666).
+            continue
+        n += 1
+        inputs = replace(
+            base,
+            trainer_precision=prec,
+            layout=lay,
+            activations=act,
+            optimizer=opt,
+            micro_batch=mb,
+            accumulate=global_seqs // (mb * base.world_size),
+        )
+        out.append(Candidate({"precision": pn, "strategy": sn, "activations": an, "optimizer": on}, estimate(inputs)))
+    return rank_candidates(out), n

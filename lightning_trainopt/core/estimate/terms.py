@@ -1,0 +1,105 @@
+"""The unit of every estimate: one itemised term (what, where, how many bytes, and the formula that gave them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["CATEGORIES", "LOCATIONS", "PHASES", "MemoryEstimate", "Term"]
+
+CATEGORIES = ("params", "grads", "optimizer_states", "activations", "other")
+LOCATIONS = ("device", "cpu", "nvme")
+PHASES = ("all", "backward", "step", "in_step")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of a memory derivation.
+
+    Args:
+        category: one of :data:`CATEGORIES`.
+        location: one of :data:`LOCATIONS`; on a CPU-only run ``device`` is the CPU process's own memory.
+        label: what the bytes are (``"bf16 weights"``).
+        nbytes: bytes per device (per rank).
+        formula: the arithmetic, readable by a user (``"2 B x 6.74e9 / 4"``).
+        phase: ``all`` when the bytes live through the whole step; ``backward`` when they exist only while
+            activations do (forward end / backward start); ``step`` from the end of backward through the optimizer
+            step (gradients under ``zero_grad(set_to_none=True)``); ``in_step`` only inside ``optimizer.step()``
+            (DeepSpeed's fp32 gradient partition, foreach temporaries).
+    """
+
+    category: str
+    location: str
+    label: str
+    nbytes: int
+    formula: str = ""
+    phase: str = "all"
+
+    @property
+    def transient(self) -> bool:
+        """Whether a snapshot taken just before ``optimizer.step()`` misses these bytes."""
+        return self.phase in ("backward", "in_step")
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"Term.category={self.category!r}: use one of {CATEGORIES}")
+        if self.phase not in PHASES:
+            raise ValueError(f"Term.phase={self.phase!r}: use one of {PHASES}")
+        if self.location not in LOCATIONS:
+            raise ValueError(f"Term.location={self.location!r}: use one of {LOCATIONS}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes as a list of itemised :class:`Term` s, with totals by category and location.
+
+    Example::
+
+        est = MemoryEstimate((Term("params", "device", "fp32 weights", 400),))
+        est.bytes("params")  # 400
+    """
+
+    terms: tuple[Term, ...] = field(default_factory=tuple)
+
+    def __add__(self, other: MemoryEstimate) -> MemoryEstimate:
+        return MemoryEstimate(self.terms + other.terms)
+
+    @classmethod
+    def of(cls, terms: Iterable[Term]) -> MemoryEstimate:
+        """Build from any iterable, dropping zero-byte terms."""
+        return cls(tuple(t for t in terms if t.nbytes))
+
+    def bytes(self, category: str | None = None, location: str = "device", resident_only: bool = False) -> int:
+        """Sum of the terms of ``category`` (all categories when ``None``) held at ``location``.
+
+        Args:
+            category: one of :data:`CATEGORIES`, or ``None`` for all.
+            location: one of :data:`LOCATIONS`.
+            resident_only: only what a snapshot just before ``optimizer.step()`` sees (no activations, no
+                in-step temporaries).
+        """
+        return sum(
+            t.nbytes
+            for t in self.terms
+            if t.location == location
+            and (category is None or t.category == category)
+            and not (resident_only and t.transient)
+        )
+
+    def peak(self, location: str = "device") -> int:
+        """Predicted peak: what lives all step, plus the larger of the backward-phase and step-phase terms."""
+
+        def phase(ph: str) -> int:
+            return sum(t.nbytes for t in self.terms if t.location == location and t.phase == ph)
+
+        return phase("all") + max(phase("backward"), phase("step") + phase("in_step"))
+
+    def per_device(self) -> dict[str, int]:
+        """``{params, grads, optimizer_states, activations, other, total}`` bytes on the device."""
+        out = {c: self.bytes(c) for c in CATEGORIES}
+        out["total"] = sum(out.values())
+        return out
+
+    def by_location(self, category: str) -> dict[str, int]:
+        """``{device, cpu, nvme}`` bytes of one category (the shape of metrics.json ``memory_breakdown``)."""
+        return {loc: self.bytes(category, loc) for loc in LOCATIONS}

@@ -1,0 +1,60 @@
+"""The planner against measurement: saved-for-backward bytes (real CPU forward with the real techniques) and
+per-rank model states on 2 CPU processes (core.memory_accounting) — the figures of bench/RESULTS_planner.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.runif import RunIf
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("precision", "policy", "b", "t"),
+    [
+        ("fp32", "none", 2, 64),
+        ("bf16-mixed", "checkpoint", 4, 128),
+        ("bf16-true", "checkpoint_every_2nd", 2, 96),
+        ("bf16-mixed", "int8", 2, 128),
+    ],
+)
+def test_activation_bytes_within_10_percent(precision, policy, b, t):
+    acc = _load("planner_accuracy")
+    predicted = acc.predict_activations(acc.DEMO, precision, policy, b, t)
+    measured = acc.measure_activations(acc.DEMO, precision, policy, b, t)
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_model_states_within_5_percent_on_2_cpu_processes(strategy):
+    pytest.importorskip("deepspeed")
+    states = _load("planner_states")
+    rows = states.states_rows([(strategy, "bf16")])
+    assert {r["category"] for r in rows} == {"params", "grads", "optimizer_states", "total"}
+    for r in rows:
+        assert r["measured"] > 0
+        assert abs(r["error"]) <= 0.05, r
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_gpu_peak_within_10_percent(checkpoint):
+    gpu = _load("planner_gpu")
+    row = gpu.gpu_row(checkpoint=checkpoint)
+    assert torch.cuda.is_available()
+    assert abs(row["error"]) <= 0.10, row

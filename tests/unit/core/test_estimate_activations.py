@@ -1,0 +1,113 @@
+"""Analytic activation bytes against the generic measured path (fake tensors, core.saved_tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_trainopt.core.estimate import (
+    ActivationPolicy,
+    estimate_transformer_activations,
+    measure_activation_bytes,
+)
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models import GPT, GPTConfig
+
+TINY = GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, ffn_hidden=160, max_seq_len=256)
+GQA = GPTConfig(
+    vocab_size=512,
+    n_layers=3,
+    d_model=128,
+    n_heads=8,
+    n_kv_heads=2,
+    ffn_hidden=320,
+    max_seq_len=256,
+    tie_embeddings=False,
+)
+
+
+def _measured(cfg: GPTConfig, b: int, t: int, dtype: torch.dtype, autocast: bool) -> int:
+    def loss(model, inputs):
+        x, y = inputs
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+    def build() -> GPT:
+        # Fake parameters cannot be converted with .to(); build them in the wanted dtype instead.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return GPT(cfg)
+        finally:
+            torch.set_default_dtype(previous)
+
+    return measure_activation_bytes(
+        build,
+        lambda: (torch.randint(0, cfg.vocab_size, (b, t)), torch.randint(0, cfg.vocab_size, (b, t))),
+        loss_fn=loss,
+    )
+
+
+@pytest.mark.parametrize("cfg", [TINY, GQA], ids=["mha", "gqa_untied"])
+@pytest.mark.parametrize(
+    ("dtype", "autocast", "compute"),
+    [(torch.float32, False, 4), (torch.float32, True, 2), (torch.bfloat16, False, 2)],
+    ids=["fp32", "bf16-mixed", "bf16-true"],
+)
+@pytest.mark.parametrize(("b", "t"), [(1, 32), (3, 96)])
+def test_analytic_matches_measured_saved_bytes(cfg, dtype, autocast, compute, b, t):
+    predicted = estimate_transformer_activations(cfg, b, t, compute, autocast).bytes("activations")
+    assert predicted == _measured(cfg, b, t, dtype, autocast)
+
+
+def test_generic_path_counts_a_foreign_module():
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+    got = measure_activation_bytes(build, lambda: (torch.randn(10, 32),))
+    # Linear saves its input (10x32), ReLU its output (10x64, also the 2nd Linear's input); fp32.
+    assert got == 4 * (10 * 32 + 10 * 64)
+
+
+def test_sdpa_is_linear_in_seq_len_and_math_is_quadratic():
+    def blocks(t: int, attention: str) -> int:
+        est = estimate_transformer_activations(TINY, 1, t, 2, False, attention=attention)
+        return next(x.nbytes for x in est.terms if x.label.endswith("full blocks"))
+
+    assert blocks(128, "sdpa") == 2 * blocks(64, "sdpa")
+    assert blocks(128, "math") > 2 * blocks(64, "math")
+
+
+def test_checkpointing_keeps_block_inputs_and_adds_a_recompute_transient():
+    full = estimate_transformer_activations(TINY, 2, 64, 4, False)
+    ckpt = estimate_transformer_activations(TINY, 2, 64, 4, False, ActivationPolicy(checkpoint_every=1))
+    inputs = next(x for x in ckpt.terms if "checkpointed" in x.label)
+    assert inputs.nbytes == TINY.n_layers * 2 * 64 * 4 * TINY.d_model
+    assert ckpt.bytes("activations") < full.bytes("activations")
+    assert ckpt.bytes("other") > full.bytes("other")  # one block's activations rebuilt during backward
+
+
+def test_int8_and_offload_change_bytes_and_place():
+    base = estimate_transformer_activations(TINY, 4, 128, 4, False).bytes("activations")
+    int8 = estimate_transformer_activations(TINY, 4, 128, 4, False, ActivationPolicy(compress_bits=8))
+    assert int8.bytes("activations") < base / 3
+    off = estimate_transformer_activations(TINY, 4, 128, 4, False, ActivationPolicy(offload=True))
+    assert off.bytes("activations") == 0
+    assert off.bytes("activations", "cpu") == base
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"micro_batch": 0}, "data.batch_size"),
+        ({"seq_len": 10_000}, "data.seq_len"),
+        ({"attention": "xformers"}, "plan.attention"),
+    ],
+)
+def test_bad_input_raises_with_key(kwargs, key):
+    args = {"micro_batch": 1, "seq_len": 16, "attention": "sdpa", **kwargs}
+    with pytest.raises(ConfigError, match=key):
+        estimate_transformer_activations(
+            TINY, args["micro_batch"], args["seq_len"], 4, False, attention=args["attention"]
+        )

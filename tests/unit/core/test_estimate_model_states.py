@@ -1,0 +1,172 @@
+"""Model-state bytes: the design articles' arithmetic, and each implementation's real layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_trainopt.core.estimate import (
+    OPTIMIZER_STATES,
+    StrategyLayout,
+    estimate_model_states,
+    optimizer_state_model,
+    textbook_model_state_bytes,
+)
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+
+ADAMW = OPTIMIZER_STATES["adamw"]
+
+
+def test_textbook_fp32_adam_10b_is_160_gb():
+    tb = textbook_model_state_bytes(10_000_000_000, "fp32")
+    assert (tb["params"], tb["grads"], tb["optimizer_states"]) == (40e9, 40e9, 80e9)
+    assert tb["total"] == 160e9
+
+
+def test_textbook_mixed_adamw_7b_is_112_gb_not_140_or_56():
+    tb = textbook_model_state_bytes(7_000_000_000, "mixed")
+    assert (tb["params"], tb["grads"], tb["optimizer_states"]) == (14e9, 14e9, 84e9)
+    assert tb["total"] == 112e9
+    # The articles' slips: optimizer states at 16 B/param (2+2+16) and Adam moments in 16 bits (2+2+4).
+    assert tb["total"] not in (140e9, 56e9)
+
+
+def test_textbook_rejects_unknown_scheme():
+    with pytest.raises(ConfigError, match="scheme"):
+        textbook_model_state_bytes(1, "fp8")
+
+
+def test_lightning_fp32_and_amp_store_16_bytes_per_param_like_the_textbook():
+    n = 10_000_000_000
+    for precision in ("32-true", "bf16-mixed"):
+        est = estimate_model_states([[n]], precision, StrategyLayout(), ADAMW, 1)
+        # Lightning AMP keeps fp32 weights and grads: 4 + 4 + 8, plus torch's 4-byte step counter per tensor.
+        assert est.per_device() == {
+            "params": 4 * n,
+            "grads": 4 * n,
+            "optimizer_states": 8 * n + 4,
+            "activations": 0,
+            "other": 0,
+            "total": 16 * n + 4,
+        }
+
+
+def test_bf16_true_keeps_states_in_bf16():
+    est = estimate_model_states([[1000]], "bf16-true", StrategyLayout(), ADAMW, 1)
+    assert est.bytes("params") == 2000
+    assert est.bytes("grads") == 2000
+    assert est.bytes("optimizer_states") == 4004
+
+
+def test_ddp_adds_gradient_buckets_only_with_several_ranks():
+    one = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="ddp"), ADAMW, 1)
+    two = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="ddp"), ADAMW, 2)
+    assert one.bytes("other") == 0
+    assert two.bytes("other") == 4000
+    assert two.bytes("params") == 4000  # replicated
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_bf16_zero12_layout(stage):
+    n, w = 1_000_000, 4
+    group = [1000] * 1000  # partition boundaries fall between parameters
+    est = estimate_model_states([group], "bf16-mixed", StrategyLayout(kind="deepspeed", zero_stage=stage), ADAMW, w)
+    part = n // w
+    assert est.bytes("params") == 2 * n  # flat bf16 weights, not partitioned in ZeRO-1/2
+    assert est.bytes("grads") == 2 * part + 4 * part  # half partition + fp32 partition of the step
+    accumulating = estimate_model_states(
+        [group], "bf16-mixed", StrategyLayout(kind="deepspeed", zero_stage=stage), ADAMW, w, accumulate=4
+    )
+    # Between accumulation boundaries ZeRO-1 keeps full half .grad; ZeRO-2 reduces every micro-batch.
+    assert accumulating.bytes("grads") - est.bytes("grads") == (2 * n if stage == 1 else 0)
+    assert est.bytes("optimizer_states") == 4 * part + 8 * part + 4  # master + m + v (+ step)
+
+
+def test_deepspeed_pads_flat_buffer_to_twice_world():
+    est = estimate_model_states([[1001]], "bf16-mixed", StrategyLayout(kind="deepspeed", zero_stage=2), ADAMW, 4)
+    assert est.bytes("params") == 2 * 1008  # ceil(1001 / 8) * 8
+
+
+def test_zero3_partitions_each_param_and_keeps_small_ones_whole():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=3, param_persistence_threshold=100)
+    est = estimate_model_states([[1000, 10]], "bf16-mixed", layout, ADAMW, 2)
+    part = 500 + 5
+    assert est.bytes("params") == 2 * part + 2 * 10
+    assert est.bytes("grads") == 2 * part + 4 * part
+    assert est.bytes("optimizer_states") == 4 * part + 8 * part + 4
+
+
+def test_zero3_fp32_has_no_master_copy():
+    est = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="deepspeed", zero_stage=3), ADAMW, 2)
+    assert est.bytes("optimizer_states") == 8 * 500 + 4
+
+
+def test_offload_moves_optimizer_and_fp32_grads_to_cpu():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2, offload_optimizer="cpu")
+    est = estimate_model_states([[1000]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2)
+    assert est.bytes("optimizer_states") == 0
+    assert est.bytes("optimizer_states", "cpu") == 4 * 500 + 8 * 500
+    assert est.bytes("grads", "cpu") == 4 * 500
+    assert est.bytes("params") == 2000
+
+
+def test_infinity_puts_states_and_params_on_nvme():
+    layout = StrategyLayout(
+        kind="deepspeed", zero_stage=3, offload_optimizer="nvme", offload_params="nvme", param_persistence_threshold=0
+    )
+    est = estimate_model_states([[1000]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2)
+    assert est.bytes("params", "nvme") == 1000
+    assert est.bytes("optimizer_states", "nvme") == 6000
+    assert est.bytes("params") == 0
+
+
+def test_fsdp_shards_everything():
+    est = estimate_model_states([[1000]], "bf16-mixed", StrategyLayout(kind="fsdp"), ADAMW, 4)
+    assert est.per_device()["total"] == 16 * 250 + 4
+
+
+def test_8bit_optimizer_quantizes_only_large_tensors():
+    bnb = optimizer_state_model("bitsandbytes.optim.AdamW8bit")
+    big, small = 8192, 100
+    assert bnb.bytes_for([big], 4) == 2 * (big + 4 * big // 256)
+    assert bnb.bytes_for([small], 2) == 2 * 4 * small  # fp32 states below min_8bit_size
+    assert optimizer_state_model("torchao.optim.AdamW4bit").bytes_for([256], 4) == 4 + 2 * 256 * 4
+
+
+def test_unknown_optimizer_is_refused_with_the_key():
+    with pytest.raises(ConfigError, match="optimizer._target_"):
+        optimizer_state_model("my.Shampoo")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err"),
+    [
+        ({"kind": "ddp", "offload_params": "cpu"}, IncompatibleConfigError),
+        ({"kind": "deepspeed", "zero_stage": 2, "offload_optimizer": "nvme"}, IncompatibleConfigError),
+        ({"kind": "deepspeed", "zero_stage": 4}, ConfigError),
+        ({"kind": "megatron"}, ConfigError),
+    ],
+)
+def test_bad_layouts_raise(kwargs, err):
+    with pytest.raises(err):
+        StrategyLayout(**kwargs)
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ConfigError, match="trainer.devices"):
+        estimate_model_states([[1]], "32-true", StrategyLayout(), ADAMW, 0)
+
+
+def test_zero2_gradient_partition_counts_params_touching_the_partition_whole():
+    # Flat [2 | 2 | 12] over 2 ranks: partitions [0, 8) and [8, 16); the 12-element param straddles both.
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2)
+    by_rank = [
+        estimate_model_states([[2, 2, 12]], "bf16-mixed", layout, ADAMW, 2, rank=r).bytes("grads", resident_only=True)
+        for r in (0, 1, None)
+    ]
+    assert by_rank == [2 * 16, 2 * 12, 2 * 16]  # rank 0 holds all three, rank 1 only the straddler; None = worst
+
+
+def test_transient_terms_are_in_the_peak_but_not_resident():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2)
+    est = estimate_model_states([[1000]], "bf16-mixed", layout, ADAMW, 2)
+    assert est.bytes("grads") - est.bytes("grads", resident_only=True) == 4 * 500  # fp32 partition inside step()
