@@ -14,3 +14,6 @@ python -m pytest -q -p no:cacheprovider -rs tests/unit/callbacks tests/unit/core
 timeout 420 python bench/callback_overhead.py --device cuda --model 125m --steps 40 --warmup 10 --rounds 3 --batch-size 8 --seq-len 1024 --log-every 10 --hook-time 2>&1 | tail -8 | tee "$OUT/callback_overhead_cuda.txt"
 
 # --- other issues: add lines below --------------------------------------------------------------------------------
+# --- planner (issue 6): predicted peak vs torch.cuda.max_memory_allocated, gpt_1b bf16 with/without checkpointing --
+timeout 300 python bench/planner_accuracy.py gpu 2>&1 | tee "$OUT/planner_gpu.txt"
+python -m pytest -q -p no:cacheprovider -rs tests/integration/test_planner_accuracy.py -k gpu 2>&1 | tee "$OUT/pytest_planner_gpu.txt"

@@ -18,6 +18,8 @@ from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 #: Minimal constructor arguments per callback; every callback listed here builds with none (all have defaults).
 #: Add an entry when a callback needs one (e.g. a budget).
 MIN_KWARGS: dict[str, dict] = {name: {} for name in cbs.__all__}
+# On CPU the finder needs a byte budget (it refuses to guess one).
+MIN_KWARGS["MicroBatchFinder"] = {"budget_bytes": 200_000_000}
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_trainopt.core.saved_tensors import (
+    SavedTensorsCounter,
+    measure_saved_tensors,
+    transform_saved_tensors,
+)
+
+
+def test_counts_one_saved_tensor_exactly() -> None:
+    x = torch.randn(64, 32, requires_grad=True)
+    with SavedTensorsCounter() as counter:
+        y = torch.sin(x)  # sin saves its input
+    report = counter.report()
+    # x is a leaf that requires grad: autograd saves it, and it is not a parameter (not an nn.Parameter, no _base).
+    assert report.activation_bytes == 64 * 32 * 4
+    assert report.n_saved == 1
+    assert report.by_dtype == {"float32": 64 * 32 * 4}
+    y.sum().backward()
+
+
+def test_views_of_one_storage_count_once() -> None:
+    a = torch.randn(128, 128, requires_grad=True)
+    h = a * 2  # one 64 KiB storage
+    with SavedTensorsCounter() as counter:
+        out = torch.sin(h) + torch.cos(h.t()) + torch.exp(h[:64]).sum()
+    report = counter.report()
+    assert report.n_saved >= 3
+    # sin(h), cos(h.t()) save views of h; exp saves its *output*, a new storage of 64x128.
+    assert report.activation_bytes == 128 * 128 * 4 + 64 * 128 * 4
+    out.sum().backward()
+
+
+def test_parameters_are_reported_apart() -> None:
+    lin = nn.Linear(256, 256, bias=False)
+    x = torch.randn(8, 256, requires_grad=True)
+    _, report = measure_saved_tensors(lin, x)
+    assert report.parameter_bytes == 256 * 256 * 4  # the weight, saved for the input gradient
+    assert report.activation_bytes == 8 * 256 * 4  # the input, saved for the weight gradient
+
+
+def test_explicit_params_classify_plain_tensors() -> None:
+    w = torch.randn(32, 32)  # not a Parameter, e.g. a gathered ZeRO-3 copy
+    x = torch.randn(4, 32, requires_grad=True)
+    with SavedTensorsCounter(params=[w]) as counter:
+        (x @ w).sum()
+    report = counter.report()
+    assert report.parameter_bytes == 32 * 32 * 4
+    assert report.activation_bytes == 0  # x @ w with w not requiring grad saves only w
+
+
+def test_checkpointing_is_seen_as_what_it_keeps() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 64))
+    x = torch.randn(16, 64, requires_grad=True)
+    _, plain = measure_saved_tensors(mlp, x)
+    _, ckpt = measure_saved_tensors(lambda t: checkpoint(mlp, t, use_reentrant=False), x)
+    assert ckpt.activation_bytes == 16 * 64 * 4  # only the region's input is kept
+    assert plain.activation_bytes > 10 * ckpt.activation_bytes
+
+
+class _HalfStore:
+    """A transform that stores float tensors as bf16: the counter must see the bf16 bytes."""
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        return t.to(torch.bfloat16), t.dtype
+
+    def unpack(self, packed: tuple[torch.Tensor, torch.dtype]) -> torch.Tensor:
+        return packed[0].to(packed[1])
+
+
+@pytest.mark.parametrize("counter_first", [True, False])
+def test_counter_sees_transform_output_in_any_order(counter_first: bool) -> None:
+    x = torch.randn(64, 64, requires_grad=True)
+    counter = SavedTensorsCounter()
+    transform = _HalfStore()
+    if counter_first:
+        counter.start()
+        ctx = transform_saved_tensors(transform)
+        ctx.__enter__()
+    else:
+        ctx = transform_saved_tensors(transform)
+        ctx.__enter__()
+        counter.start()
+    y = torch.sin(x)
+    # Leave in the same order as entered (what Lightning does with callbacks): must not break either.
+    if counter_first:
+        counter.stop()
+        ctx.__exit__(None, None, None)
+    else:
+        ctx.__exit__(None, None, None)
+        counter.stop()
+    report = counter.report()
+    assert report.by_dtype == {"bfloat16": 64 * 64 * 2}
+    y.sum().backward()
+    expected = torch.cos(x.detach().to(torch.bfloat16).float())
+    torch.testing.assert_close(x.grad, expected)
+    # Nothing is left installed: a fresh tensor's saved values are stored untouched.
+    z = torch.randn(4, requires_grad=True)
+    torch.sin(z).sum().backward()
+    torch.testing.assert_close(z.grad, torch.cos(z.detach()))
+
+
+def test_two_transforms_refused() -> None:
+    with transform_saved_tensors(_HalfStore()), pytest.raises(RuntimeError, match="already active"):  # noqa: SIM117
+        with transform_saved_tensors(_HalfStore()):
+            pass
+
+
+def test_mark_and_peak_across_micro_batches() -> None:
+    lin = nn.Linear(16, 16)
+    counter = SavedTensorsCounter()
+    with counter:
+        lin(torch.randn(4, 16)).sum().backward()
+        first = counter.mark()
+        lin(torch.randn(8, 16)).sum().backward()
+        second = counter.mark()
+    assert (first, second) == (4 * 16 * 4, 8 * 16 * 4)
+    assert counter.peak == second
+    assert counter.report().activation_bytes == 0
+    counter.reset()
+    assert counter.peak == 0
+
+
+def test_storage_freed_and_address_reused_counts_twice() -> None:
+    counter = SavedTensorsCounter()
+    with counter:
+        for _ in range(5):
+            a = torch.randn(256, 256, requires_grad=True)
+            y = torch.sin(a)  # saves a; dropping y and a frees it, the next a may land at the same address
+            del y, a
+    report = counter.report()
+    assert report.n_saved == 5
+    assert report.activation_bytes == 5 * 256 * 256 * 4
