@@ -22,6 +22,7 @@ from lightning_trainopt.app.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import LitGPT
 from lightning_trainopt.precision import trainer_precision_kwargs
+from lightning_trainopt.strategies.report import StrategyReport
 
 __all__ = ["output_dir", "train"]
 
@@ -135,7 +136,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         compile_model=bool(cfg.get("compile", False)),
     )
     clock = RunClock()
-    callbacks = [clock, *_instantiate_named(cfg.get("callbacks")), *_instantiate_named(cfg.get("activations"))]
+    # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
+    callbacks = [
+        clock,
+        StrategyReport(),
+        *_instantiate_named(cfg.get("callbacks")),
+        *_instantiate_named(cfg.get("activations")),
+    ]
     loggers = _instantiate_named(cfg.get("logger"))
     strategy = _build_strategy(cfg, precision, cfg.data.batch_size)
 

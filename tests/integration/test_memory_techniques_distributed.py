@@ -76,13 +76,9 @@ def test_checkpointing_cuts_saved_bytes_under_strategy(tmp_path: Path, strategy:
 
 @pytest.mark.slow
 @RunIf(deepspeed=True)
-@pytest.mark.xfail(
-    reason="Lightning 2.6.6 divides the loss by accumulate_grad_batches and DeepSpeed's engine.backward divides it "
-    "again (scale_wrt_gas=True): the accumulated update is 1/4 of the big-batch one (measured ratio 4.000; Lightning "
-    "#6170). Fix belongs in TrainOptDeepSpeedStrategy.backward (scale_wrt_gas=False); then remove this marker.",
-    strict=True,
-)
 def test_zero2_accumulation_equals_one_big_batch(tmp_path: Path) -> None:
+    """Lightning divides the loss by the accumulation and DeepSpeed would divide it again (Lightning #6170):
+    TrainOptDeepSpeedStrategy.backward passes scale_wrt_gas=False, so 4 x 1 equals 1 x 4."""
     big = _run(tmp_path, "zero2", "none", 4, 1)
     accumulated = _run(tmp_path, "zero2", "none", 1, 4)
     assert big["sizes"] == [4]

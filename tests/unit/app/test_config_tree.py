@@ -17,7 +17,12 @@ CONF = Path(__file__).resolve().parents[3] / "conf"
 # Groups that are not in the defaults list are appended with `+group=option`.
 APPENDED = {"strategy"}
 # Options that need a value the user must give (marked ??? in YAML).
-NEEDS = {("data", "text_file"): ["data.path=/etc/hostname"], ("strategy", "deepspeed_json"): []}
+NEEDS = {
+    ("data", "text_file"): ["data.path=/etc/hostname"],
+    ("strategy", "deepspeed_json"): ["strategy.config=DS_JSON"],
+}
+# Keys a builder consumes before instantiating (strategy presets carry their preset name).
+CONSUMED = {"strategy": {"name"}}
 SKIP_GROUPS = {"hydra"}
 
 
@@ -57,12 +62,14 @@ def _target_errors(node: Any, where: str) -> list[str]:
 
 
 def test_every_option_composes_and_binds(tmp_path):
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text('{"train_batch_size": 32, "zero_optimization": {"stage": 3}}')
     errors: list[str] = []
     options = _options()
     assert ("model", "llama_7b") in options
     for group, option in options:
         override = f"+{group}={option}" if group in APPENDED else f"{group}={option}"
-        overrides = [override, *NEEDS.get((group, option), [])]
+        overrides = [override, *(o.replace("DS_JSON", str(ds_json)) for o in NEEDS.get((group, option), []))]
         try:
             cfg = compose_config(overrides, tmp_path)
             resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -70,6 +77,9 @@ def test_every_option_composes_and_binds(tmp_path):
             errors.append(f"{override}: does not compose: {type(err).__name__}: {err}")
             continue
         del resolved["hydra"]
+        for key in CONSUMED.get(group, ()):
+            if group in resolved:
+                resolved[group].pop(key, None)
         errors.extend(_target_errors(resolved, override))
     assert not errors, "\n".join(errors)
 

@@ -1,0 +1,257 @@
+"""Every strategy preset on the same model: step time, per-rank memory breakdown, checkpoint size, ratio to DDP.
+
+CPU (development machines), 2 gloo processes per preset and 1 process for the sharding comparison::
+
+    cd /work/main && python bench/strategies.py --devices 2 --compare-single
+
+GPU (one H200-class device, ~1B model)::
+
+    python bench/strategies.py --accelerator gpu --devices 1 --model gpt_1b --seq-len 1024 --batch-size 4 \
+        --precision bf16-mixed --presets ddp zero1 zero2 zero2_offload zero3 zero3_offload
+
+One preset alone (used by the integration tests; writes a JSON report on rank 0)::
+
+    python bench/strategies.py --single zero3 --devices 2 --out /tmp/r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CPU_PRESETS = ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+# Small buckets so DeepSpeed does not allocate 50M-element communication buffers per rank on a CPU run.
+_CPU_OVERRIDES = {"allgather_bucket_size": 2_000_000, "reduce_bucket_size": 2_000_000}
+
+
+def _dir_bytes(path: str) -> int:
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def run_single(args: argparse.Namespace) -> None:
+    """Fit one preset in this process group and write a JSON report from rank 0."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.data.datamodule import TextDataModule
+    from lightning_trainopt.models import GPTConfig, LitGPT
+    from lightning_trainopt.precision import PrecisionSpec
+    from lightning_trainopt.strategies import build_strategy
+    from lightning_trainopt.strategies.report import StrategyReport
+
+    class Losses(Callback):
+        def __init__(self) -> None:
+            self.losses: dict[int, float] = {}
+            self.times: list[float] = []
+            self._t = 0.0
+
+        def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
+            self._t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.times.append(time.perf_counter() - self._t)
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.losses[trainer.global_step] = float(loss.detach().float())
+
+    pl.seed_everything(args.seed, workers=True)
+    cfg = OmegaConf.load(ROOT / "conf" / "strategy" / f"{args.single}.yaml")
+    if args.accelerator == "cpu" and "deepspeed" in str(cfg._target_).lower():
+        for k, v in _CPU_OVERRIDES.items():
+            if k in cfg:
+                cfg[k] = v
+    for item in args.set or []:
+        key, value = item.split("=", 1)
+        cfg[key] = json.loads(value) if value[:1] in "[{0123456789-tfn" else value
+    spec = PrecisionSpec(name=args.precision, trainer_precision=args.precision)
+    trainer_cfg = {"accumulate_grad_batches": args.accumulate, "gradient_clip_val": 1.0}
+    strategy = build_strategy(cfg, spec, trainer_cfg, micro_batch_size=args.batch_size)
+    if args.model == "bench":
+        model_cfg = GPTConfig(
+            name="bench", vocab_size=256, n_layers=4, d_model=256, n_heads=4, ffn_hidden=688, max_seq_len=args.seq_len
+        )
+    else:
+        model_cfg = GPTConfig(
+            **{
+                k: v
+                for k, v in OmegaConf.to_container(
+                    OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+                ).items()
+                if k != "_target_"
+            }
+        )
+    module = LitGPT(model_cfg)
+    dm = TextDataModule(
+        corpus="synthetic",
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        vocab_size=model_cfg.vocab_size,
+        seed=args.seed,
+    )
+    losses, report = Losses(), StrategyReport(at_step=1)
+    callbacks: list[Any] = [losses, report]
+    if args.ckpt_dir:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                filename="step{step}",
+                every_n_train_steps=args.ckpt_every,
+                save_top_k=-1,
+                save_last=False,
+                auto_insert_metric_name=False,
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        limit_train_batches=args.epoch_batches or 1.0,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        accumulate_grad_batches=args.accumulate,
+        deterministic=True,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, dm, ckpt_path=args.resume)
+    ckpt_bytes = None
+    if args.save_to:
+        trainer.save_checkpoint(args.save_to)
+        trainer.strategy.barrier()
+        ckpt_bytes = _dir_bytes(args.save_to)
+    if trainer.is_global_zero:
+        steady = losses.times[2:] or losses.times
+        out = {
+            **report.summary(),
+            "preset": args.single,
+            "devices": args.devices,
+            "precision": args.precision,
+            "n_params": model_cfg.n_params(),
+            "losses": losses.losses,
+            "step_time_s": sum(steady) / max(len(steady), 1),
+            "checkpoint_bytes": ckpt_bytes,
+            "torch": torch.__version__,
+        }
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def _launch(preset: str, devices: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{preset}_{devices}.json"
+    cmd = [
+        sys.executable,
+        __file__,
+        "--single",
+        preset,
+        "--devices",
+        str(devices),
+        "--out",
+        str(out),
+        "--accelerator",
+        args.accelerator,
+        "--precision",
+        args.precision,
+        "--model",
+        args.model,
+        "--seq-len",
+        str(args.seq_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-steps",
+        str(args.max_steps),
+        "--save-to",
+        str(tmp / f"ckpt_{preset}_{devices}"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError(f"{preset} on {devices} process(es) failed (rc={proc.returncode})")
+    return json.loads(out.read_text())
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--single", help="run one preset and write --out (internal)")
+    parser.add_argument("--presets", nargs="+", default=CPU_PRESETS)
+    parser.add_argument("--compare-single", action="store_true", help="also run every preset on 1 process")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--model", default="bench", help="'bench' (4x256, 3.4M params) or a conf/model name")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--epoch-batches", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--ckpt-dir")
+    parser.add_argument("--ckpt-every", type=int, default=3)
+    parser.add_argument("--resume")
+    parser.add_argument("--save-to")
+    parser.add_argument("--set", nargs="*", help="strategy overrides key=value")
+    parser.add_argument("--out", default="strategies.json")
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--workdir", default="/tmp/trainopt_bench_strategies")
+    args = parser.parse_args()
+    if args.single:
+        run_single(args)
+        return
+
+    tmp = Path(args.workdir)
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for preset in args.presets:
+        r = _launch(preset, args.devices, args, tmp)
+        r1 = _launch(preset, 1, args, tmp) if args.compare_single else None
+        rows.append((preset, r, r1))
+        print(f"done {preset}", file=sys.stderr)
+    base = rows[0][1] if rows and rows[0][0] == "ddp" else None
+    header = (
+        f"| preset | ZeRO | step s | params dev/cpu MiB | grads dev/cpu MiB | optim dev/cpu MiB | ckpt MiB "
+        f"| total vs DDP |{' 1-proc optim/grads/params MiB |' if args.compare_single else ''}"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for preset, r, r1 in rows:
+        mb = r["memory_breakdown"]
+        total = sum(v for c in mb.values() for v in c.values())
+        ratio = "-"
+        if base is not None:
+            base_total = sum(v for c in base["memory_breakdown"].values() for v in c.values())
+            ratio = f"{total / base_total:.2f}"
+        cells = [preset, str(r["zero_stage"]), f"{r['step_time_s']:.3f}"]
+        for cat in ("params", "grads", "optimizer_states"):
+            cells.append(f"{_mib(mb[cat]['device'])} / {_mib(mb[cat]['cpu'])}")
+        cells += [_mib(r["checkpoint_bytes"]), ratio]
+        if r1 is not None:
+            m1 = r1["memory_breakdown"]
+            cells.append(" / ".join(_mib(sum(m1[c].values())) for c in ("optimizer_states", "grads", "params")))
+        print("| " + " | ".join(cells) + " |")
+    Path(args.out).write_text(json.dumps([{"preset": p, "n": r, "one": r1} for p, r, r1 in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy, sharded by a policy over module classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.exceptions import ConfigError
+
+__all__ = ["TrainOptFSDPStrategy", "apply_fully_shard"]
+
+
+def apply_fully_shard(
+    root: torch.nn.Module, shard_modules: list[str], mesh: Any, cpu_offload: bool, reshard_after_forward: bool
+) -> int:
+    """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
+
+    Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
+
+    Returns:
+        the number of modules sharded.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
+    }
+    count = 0
+    for module in root.modules():
+        if module is not root and type(module).__name__ in shard_modules:
+            fully_shard(module, **kwargs)
+            count += 1
+    for child in root.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+            count += 1
+    return count
+
+
+class TrainOptFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 full sharding over all processes (no tensor parallelism), usable with any LightningModule.
+
+    After ``configure_model`` builds the model, every module whose class name is in ``shard_modules`` becomes its
+    own FSDP2 unit, then each parameter-holding child of the LightningModule. Runs on CPU (gloo) and GPU.
+
+    Args:
+        shard_modules: class names to shard as units (the transformer block).
+        cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
+        preset: name reported in metrics.
+        **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments.
+
+    Example::
+
+        Trainer(accelerator="cpu", devices=2, strategy=TrainOptFSDPStrategy(shard_modules=["Block"]))
+    """
+
+    strategy_name = "trainopt_fsdp"
+
+    def __init__(
+        self,
+        shard_modules: list[str] | tuple[str, ...] = ("Block",),
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        preset: str = "fsdp",
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(shard_modules, str) or not all(isinstance(s, str) for s in shard_modules):
+            raise ConfigError("strategy.shard_modules", shard_modules, "give a list of class names, e.g. [Block].")
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(**kwargs)
+        self.shard_modules = list(shard_modules)
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+        self.preset = preset
+
+    def offload_devices(self) -> dict[str, str]:
+        """``{"optimizer": ..., "param": ...}``: ``cpu`` for both with ``cpu_offload``."""
+        where = "cpu" if self.cpu_offload else "none"
+        return {"optimizer": where, "param": where}
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            # Full sharding: every process is a data-parallel rank.
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        n = apply_fully_shard(
+            self.model,
+            self.shard_modules,
+            self.device_mesh["data_parallel"],
+            self.cpu_offload,
+            self.reshard_after_forward,
+        )
+        if n == 0:
+            raise ConfigError("strategy.shard_modules", self.shard_modules, "no module of the model has such a class.")
+        rank_zero_info(f"FSDP2: {n} modules sharded over {self.world_size} processes (cpu_offload={self.cpu_offload}).")
+        super().setup(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        if self.cpu_offload:
+            return  # CPUOffloadPolicy keeps sharded parameters on the CPU and moves them per unit.
+        super().model_to_device()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write the (sharded) checkpoint to a staging path, then swap it in on rank 0."""
+        filepath = self.broadcast(str(filepath))
+        staging = self.broadcast(staging_path(filepath))
+        try:
+            super().save_checkpoint(checkpoint, staging, storage_options)
+        except BaseException:
+            self.barrier("trainopt_fsdp_save_failed")
+            if self.is_global_zero:
+                discard_staged(staging)
+            raise
+        self.barrier("trainopt_fsdp_save_done")
+        if self.is_global_zero:
+            commit_staged(staging, filepath)
+        self.barrier("trainopt_fsdp_save_committed")
