@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -170,3 +172,8 @@ def test_matrix_lists_every_rule():
     assert table.count("\n") == len(RULES) + 1
     for rule in RULES:
         assert rule.combination in table
+
+
+def test_documented_matrix_is_the_generated_one():
+    docs = Path(__file__).resolve().parents[3] / "docs" / "strategies.md"
+    assert compatibility_matrix_markdown().rstrip("\n") in docs.read_text()
