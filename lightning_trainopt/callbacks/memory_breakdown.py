@@ -154,7 +154,11 @@ class MemoryBreakdown(Callback):
         row["step"] = step
         # Model states in the strategies' schema ({device, cpu, nvme} per category), so both reports merge.
         for name in ("params", "grads", "optimizer_states"):
-            row[name] = {"device": row.pop(name, 0), "cpu": row.pop(f"{name}_cpu", 0), "nvme": row.pop(f"{name}_nvme", 0)}
+            row[name] = {
+                "device": row.pop(name, 0),
+                "cpu": row.pop(f"{name}_cpu", 0),
+                "nvme": row.pop(f"{name}_nvme", 0),
+            }
         return {"memory_breakdown": json_safe(row), "peak_memory_bytes": row.get("peak_memory_bytes")}
 
     @override

@@ -17,7 +17,6 @@ import lightning.pytorch as pl  # noqa: E402
 import lightning_trainopt.callbacks as cbs  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data, tiny_module  # noqa: E402
 
-
 # On CPU the finder needs a byte budget (it refuses to guess one).
 KWARGS = {"MicroBatchFinder": {"budget_bytes": 200_000_000}}
 

@@ -34,7 +34,9 @@ def _run(tmp_path, name, *args, timeout=240):
 # scheduler state; in practice the trajectories are bit-identical.
 @pytest.mark.slow
 @RunIf(deepspeed=True)
-@pytest.mark.parametrize("preset", ["ddp", "zero3", "fsdp"])
+@pytest.mark.parametrize(
+    "preset", ["ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_offload"]
+)
 def test_resume_continues_the_same_loss_trajectory(tmp_path, preset):
     common = ["--single", preset, "--devices", 2, "--precision", "32-true", "--epoch-batches", 3, "--max-steps", 6]
     full = _run(tmp_path, "full", *common, "--ckpt-dir", tmp_path / "ck", "--ckpt-every", 3)
