@@ -8,7 +8,7 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, MissingDependencyError
 from lightning_trainopt.precision.spec import PrecisionSpec
 
 __all__ = ["build_strategy", "strategy_info", "preset_name"]
@@ -75,12 +75,21 @@ def build_strategy(
         raise ConfigError("data.batch_size", micro_batch_size, "use a positive integer micro-batch.")
 
     if _is_deepspeed_target(target):
+        _require_deepspeed(name)
         _map_deepspeed(node, name, precision, trainer_cfg, micro_batch_size)
     strategy = instantiate(node, _convert_="all")
     if not isinstance(strategy, Strategy):
         raise ConfigError("strategy._target_", target, "point it at a lightning.pytorch Strategy class.")
     strategy.trainopt_preset = name  # type: ignore[attr-defined]
     return strategy
+
+
+def _require_deepspeed(name: str) -> None:
+    """Name the pip extra when DeepSpeed is missing, instead of Hydra's traceback from deep inside the strategy."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError("deepspeed", "deepspeed", f"+strategy={name}") from None
 
 
 def _map_deepspeed(

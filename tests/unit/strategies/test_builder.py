@@ -135,3 +135,20 @@ def test_ddp_preset_saves_atomically(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.load(target)["w"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_missing_deepspeed_names_the_extra(monkeypatch):
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.exceptions import MissingDependencyError
+    from lightning_trainopt.precision import PrecisionSpec
+    from lightning_trainopt.strategies import build_strategy
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed now raises ImportError
+    from pathlib import Path
+
+    node = OmegaConf.load(Path(__file__).resolve().parents[3] / "conf" / "strategy" / "zero3.yaml")
+    with pytest.raises(MissingDependencyError, match=r"lightning_trainopt\[deepspeed\]"):
+        build_strategy(node, PrecisionSpec(name="fp32", trainer_precision="32-true"), None, micro_batch_size=4)
