@@ -22,7 +22,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-COMBOS = [("ddp", "fp32"), ("ddp", "bf16"), ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16"), ("zero2", "fp32")]
+COMBOS = [
+    ("ddp", "fp32"),
+    ("ddp", "bf16"),
+    ("zero1", "bf16"),
+    ("zero2", "bf16"),
+    ("zero3", "bf16"),
+    ("zero2", "fp32"),
+    ("zero2_offload", "bf16"),
+    ("zero3_offload", "bf16"),
+]
 MODEL = "gpt_tiny"
 SEQ, BATCH = 64, 4
 

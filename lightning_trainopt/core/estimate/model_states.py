@@ -202,15 +202,45 @@ def _deepspeed(
         # in deepspeed 0.19); report the worst rank (or the asked one).
         ranks = range(w) if rank is None else [rank]
         touched = max(sum(_params_in_partition_numel(g, p, r) for g, p in zip(nonempty, parts)) for r in ranks)
-        terms.append(
-            Term(
-                "grads",
-                "device",
-                f"{8 * h}-bit gradient partition",
-                h * touched,
-                f"{h} B x {_gb(touched)} (params touching the 1/{w} partition)",
+        largest = max(numels, default=0)
+        if opt_where == "device":
+            terms.append(
+                Term(
+                    "grads",
+                    "device",
+                    f"{8 * h}-bit gradient partition",
+                    h * touched,
+                    f"{h} B x {_gb(touched)} (params touching the 1/{w} partition)",
+                )
             )
-        )
+        else:
+            # Under offload, grads_in_partition is never allocated: each reduced gradient is copied straight into
+            # the CPU fp32 gradient partition (copy_grads_in_partition -> async_inplace_copy_grad_to_fp32_buffer_
+            # from_gpu). What stays on the device is one staging buffer the size of the largest parameter.
+            terms.append(
+                Term(
+                    "other",
+                    "device",
+                    "offload staging buffer (largest param)",
+                    h * largest,
+                    f"{h} B x {_gb(largest)}",
+                )
+            )
+            terms.append(
+                Term("other", opt_where, f"{8 * h}-bit CPU copy of the partition", h * part, f"{h} B x {_gb(n)} / {w}")
+            )
+            if accumulate > 1:
+                # Between accumulation boundaries each gradient is parked in a CPU buffer of the whole parameter
+                # (accumulated_grads_in_cpu), for every parameter touching the partition.
+                terms.append(
+                    Term(
+                        "grads",
+                        opt_where,
+                        f"{8 * h}-bit CPU accumulation buffers",
+                        h * touched,
+                        f"{h} B x {_gb(touched)} (params touching the 1/{w} partition)",
+                    )
+                )
         if layout.zero_stage == 1 and accumulate > 1:
             # ZeRO-1 reduces (and frees) .grad only at the accumulation boundary (reduce_ready_partitions_and_remove_
             # grads); in between, full half gradients accumulate. ZeRO-2 reduces every micro-batch.

@@ -107,6 +107,19 @@ def test_offload_moves_optimizer_and_fp32_grads_to_cpu():
     assert est.bytes("optimizer_states", "cpu") == 4 * 500 + 8 * 500
     assert est.bytes("grads", "cpu") == 4 * 500
     assert est.bytes("params") == 2000
+    # No half gradient partition on the device (DeepSpeed never allocates grads_in_partition under offload),
+    # only a staging buffer the size of the largest parameter; a bf16 copy of the partition lives on the CPU.
+    assert est.bytes("grads") == 0
+    assert est.bytes("other") == 2 * 1000 + 2 * 1000  # staging buffer + reduce bucket (min(bucket, N))
+    assert est.bytes("other", "cpu") == 2 * 500
+
+
+def test_offload_with_accumulation_parks_half_gradients_on_cpu():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2, offload_optimizer="cpu")
+    est = estimate_model_states([[600, 400]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2, accumulate=4)
+    # Rank 1's partition [500, 1000) touches the 600-element parameter (from 0) and the 400 one: both whole.
+    assert est.bytes("grads", "cpu") == 4 * 500 + 2 * 1000
+    assert est.bytes("grads") == 0
 
 
 def test_infinity_puts_states_and_params_on_nvme():
