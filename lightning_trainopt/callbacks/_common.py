@@ -58,3 +58,25 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float) and value != value:  # NaN is not JSON
         return None
     return value
+
+
+class StepEdge:
+    """Tells ``on_train_batch_end`` whether an optimizer step finished since the last call.
+
+    Under gradient accumulation several batches end with the same ``trainer.global_step``; the monitors log and
+    close their windows once per optimizer step, on the batch that moved it.
+    """
+
+    def __init__(self) -> None:
+        self.last = -1
+
+    def reset(self, trainer: pl.Trainer) -> None:
+        """Start counting from the Trainer's current step (fit start, resume)."""
+        self.last = trainer.global_step
+
+    def crossed(self, trainer: pl.Trainer) -> bool:
+        """True once per new ``global_step``."""
+        if trainer.global_step == self.last:
+            return False
+        self.last = trainer.global_step
+        return True

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import (
     Clock,
+    StepEdge,
     default_clock,
     find_callback,
     json_safe,
@@ -75,7 +76,7 @@ class CostMonitor(Callback):
         self._steps_done = 0
         self._steps_total: int | None = None
         self._devices = 1
-        self._last_step = -1
+        self._edge = StepEdge()
         self._report: CostReport | None = None
 
     @override
@@ -98,7 +99,7 @@ class CostMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0 = self._clock()
         self._devices = trainer.world_size
-        self._last_step = trainer.global_step
+        self._edge.reset(trainer)
         self._steps_total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if self._steps_total is None:
             est = trainer.estimated_stepping_batches
@@ -148,10 +149,9 @@ class CostMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if step == self._last_step:
+        if not self._edge.crossed(trainer):
             return
-        self._last_step = step
+        step = trainer.global_step
         self._steps_done = step
         if step % log_interval(trainer, self.log_every_n_steps) == 0:
             r = self.report(trainer)

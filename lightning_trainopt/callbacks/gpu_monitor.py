@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_trainopt.callbacks._common import json_safe, log_interval, log_metrics, warn_off
+from lightning_trainopt.callbacks._common import StepEdge, json_safe, log_interval, log_metrics, warn_off
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["GPUMonitor"]
@@ -165,7 +165,7 @@ class GPUMonitor(Callback):
         self._warned_low = False
         self._run_sums: dict[str, float] = {}
         self._run_counts: dict[str, int] = {}
-        self._last_step = -1
+        self._edge = StepEdge()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -195,7 +195,7 @@ class GPUMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = trainer.global_step
+        self._edge.reset(trainer)
         if not self.enabled or not trainer.is_global_zero or self._reader is None:
             return
         self._sampler = _Sampler(self._reader, self.interval_s)
@@ -205,10 +205,9 @@ class GPUMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if step == self._last_step:
+        if not self._edge.crossed(trainer):
             return
-        self._last_step = step
+        step = trainer.global_step
         if self._sampler is not None and step % log_interval(trainer, self.log_every_n_steps) == 0:
             self.flush(trainer)
 

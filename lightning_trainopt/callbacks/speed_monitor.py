@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_trainopt.callbacks._common import Clock, default_clock, json_safe, log_interval, log_metrics
+from lightning_trainopt.callbacks._common import Clock, StepEdge, default_clock, json_safe, log_interval, log_metrics
 from lightning_trainopt.core.flops import count_flops, transformer_flops
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
 from lightning_trainopt.core.throughput import batch_size_of, throughput
@@ -89,6 +89,7 @@ class SpeedMonitor(Callback):
         self.recompute_fraction = recompute_fraction
         self.warmup_steps = warmup_steps
         self._clock = clock or default_clock
+        self._edge = StepEdge()
         self._spec: HardwareSpec | None = None
         self._peak: float | None = None
         self._dtype = "fp32"
@@ -130,7 +131,7 @@ class SpeedMonitor(Callback):
             if self.recompute_fraction is not None
             else checkpointed_fraction(pl_module, n_blocks)
         )
-        self._last_step = trainer.global_step
+        self._edge.reset(trainer)
         self._start_step = trainer.global_step
         self._reset_window()
 
@@ -181,10 +182,9 @@ class SpeedMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if step == self._last_step:
+        if not self._edge.crossed(trainer):
             return
-        self._last_step = step
+        step = trainer.global_step
         if step - self._start_step <= self.warmup_steps:
             self._reset_window()
             return
