@@ -15,20 +15,11 @@ from lightning_trainopt.callbacks._common import json_safe, log_metrics
 from lightning_trainopt.core.memory_accounting import memory_breakdown
 from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.strategies.report import strategy_offload
 
 __all__ = ["MemoryBreakdown", "accounted_model_states"]
 
 ModelStateFn = Callable[[pl.Trainer, pl.LightningModule], dict[str, int]]
-
-
-def _offload_of(trainer: pl.Trainer) -> dict[str, str]:
-    """What a DeepSpeed strategy offloads (``none`` for every other strategy)."""
-    config = getattr(trainer.strategy, "config", None)
-    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
-    return {
-        "params": (zero.get("offload_param") or {}).get("device", "none"),
-        "optimizer_states": (zero.get("offload_optimizer") or {}).get("device", "none"),
-    }
 
 
 def accounted_model_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
@@ -37,7 +28,8 @@ def accounted_model_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     ``params``/``grads``/``optimizer_states`` are the bytes on the compute device; offloaded bytes appear as
     ``<name>_cpu`` and ``<name>_nvme`` when non-zero. ZeRO/FSDP shards count by their local size.
     """
-    mb = memory_breakdown(pl_module, trainer.optimizers, trainer.strategy.root_device, offload=_offload_of(trainer))
+    offload = strategy_offload(trainer.strategy)
+    mb = memory_breakdown(pl_module, trainer.optimizers, trainer.strategy.root_device, offload=offload)
     out: dict[str, int] = {}
     for name, placed in mb.to_dict().items():
         out[name] = int(placed["device"])

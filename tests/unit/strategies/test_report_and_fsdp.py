@@ -18,6 +18,13 @@ def test_strategy_offload_reads_the_strategy():
     assert strategy_offload(object()) == {"params": "none", "optimizer_states": "none"}
 
 
+def test_strategy_offload_reads_a_foreign_deepspeed_config():
+    class Foreign:  # e.g. Lightning's DeepSpeedStrategy built by a user: only its config dict says it
+        config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": None}}
+
+    assert strategy_offload(Foreign()) == {"params": "none", "optimizer_states": "nvme"}
+
+
 def test_fsdp_shard_modules_must_be_class_names():
     with pytest.raises(ConfigError, match="shard_modules"):
         TrainOptFSDPStrategy(shard_modules="Block")
