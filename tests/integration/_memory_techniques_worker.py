@@ -3,8 +3,10 @@
 Usage: python tests/integration/_memory_techniques_worker.py STRATEGY TECHNIQUE MICRO ACCUM OUT_JSON
   STRATEGY: ddp | zero1 | zero2 | zero3 | fsdp2 (2 CPU processes, gloo)
   TECHNIQUE: none | checkpoint | int8 | finder
-Rank 0 writes: saved-for-backward bytes of the first micro-batch, losses, batch sizes seen, accumulation, and the
-parameters after the run (fp32, gathered), so the test can compare runs.
+  env CLIP: gradient_clip_val (clip by norm) for the Trainer; unset: no clipping.
+Rank 0 writes: saved-for-backward bytes of the first micro-batch, losses, batch sizes seen, accumulation, the
+parameters after the run (fp32, gathered), so the test can compare runs, and the global norm of the update
+(parameters after minus before, all of them, gathered), which SGD makes ``lr x`` the (clipped) gradient norm.
 """
 
 from __future__ import annotations
@@ -69,6 +71,33 @@ class Record(pl.Callback):
             self._counter = None
 
 
+def full_params(module: pl.LightningModule, strategy: str) -> list[torch.Tensor]:
+    """Every parameter whole, fp32, on every rank (ZeRO-3 partitions and FSDP2 DTensors gathered; collective)."""
+    params = list(module.parameters())
+    if strategy == "zero3":
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().float().flatten().clone() for p in params]
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().flatten().clone() for p in params]
+
+
+class UpdateNorm(pl.Callback):
+    """Global L2 norm of the change of all parameters over the fit."""
+
+    def __init__(self, strategy: str) -> None:
+        self.strategy = strategy
+        self.before: list[torch.Tensor] = []
+        self.norm: float | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.before = full_params(pl_module, self.strategy)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        after = full_params(pl_module, self.strategy)
+        self.norm = float(torch.cat([a - b for a, b in zip(after, self.before)]).norm())
+
+
 def _strategy(name: str) -> Any:
     if name == "ddp":
         return "ddp"
@@ -84,8 +113,8 @@ def _strategy(name: str) -> Any:
 def main() -> None:
     strategy, technique, micro, accum, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     pl.seed_everything(7, workers=True)
-    record = Record()
-    callbacks: list[pl.Callback] = [record]
+    record, update = Record(), UpdateNorm(strategy)
+    callbacks: list[pl.Callback] = [record, update]
     if technique == "checkpoint":
         callbacks.append(ActivationCheckpointing(module_classes=["Block"]))
     elif technique == "int8":
@@ -103,7 +132,7 @@ def main() -> None:
         strategy=_strategy(strategy),
         max_steps=1,
         accumulate_grad_batches=accum,
-        gradient_clip_val=None,
+        gradient_clip_val=float(os.environ["CLIP"]) if os.environ.get("CLIP") else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -135,6 +164,7 @@ def main() -> None:
                         getattr(trainer.strategy, "deepspeed_engine", None), "gradient_accumulation_steps", lambda: None
                     )(),
                     "params": params,
+                    "update_norm": update.norm,
                 },
                 f,
             )

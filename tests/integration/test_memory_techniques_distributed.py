@@ -56,22 +56,32 @@ def _close(a: dict[str, list[float]], b: dict[str, list[float]]) -> None:
         torch.testing.assert_close(torch.tensor(a[name]), torch.tensor(b[name]), rtol=1e-4, atol=1e-5, msg=name)
 
 
+CLIP, LR = 1e-3, 0.5  # the worker's SGD learning rate
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy",
     [
         "ddp",
+        pytest.param("zero1", marks=RunIf(deepspeed=True)),
         pytest.param("zero2", marks=RunIf(deepspeed=True)),
         pytest.param("zero3", marks=RunIf(deepspeed=True)),
         "fsdp2",
     ],
 )
-def test_checkpointing_cuts_saved_bytes_under_strategy(tmp_path: Path, strategy: str) -> None:
-    result = _run(tmp_path, strategy, "checkpoint", 4, 1)
+def test_checkpointing_cuts_saved_bytes_and_clipping_holds_under_strategy(tmp_path: Path, strategy: str) -> None:
+    """One launch checks two things per strategy: checkpointing cuts the bytes saved for backward, and clipping by
+    norm (``trainer.gradient_clip_val``; DeepSpeed clips inside its engine) bounds the update. With plain SGD the
+    update of one step is ``lr x clip(grad)``. This model's first gradient norm is far above CLIP: 0.78, measured
+    under zero2 without clipping (update norm 0.389). So a working clip makes the update norm ``lr x CLIP`` (torch
+    and DeepSpeed divide by ``norm + 1e-6``: 0.1% here), and a missing one would make it ~780x larger."""
+    result = _run(tmp_path, strategy, "checkpoint", 4, 1, CLIP=str(CLIP))
     baseline = _single_device_bytes(4)
     assert result["global_step"] == 1
     assert all(torch.isfinite(torch.tensor(result["losses"])))
     assert 0 < result["first_bytes"] < 0.5 * baseline
+    assert result["update_norm"] == pytest.approx(LR * CLIP, rel=0.01)
 
 
 @pytest.mark.slow
