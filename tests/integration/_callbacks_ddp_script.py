@@ -1,6 +1,8 @@
-"""Run exported callbacks under DDP on 2 CPU processes; each rank writes its summaries to OUT/rank{r}.json.
+"""Run exported callbacks on 2 CPU processes; each rank writes its summaries to OUT/rank{r}.json.
 
-Usage: python tests/integration/_callbacks_ddp_script.py OUT_DIR [NAME,NAME,...]   (default: every export)
+Usage: python tests/integration/_callbacks_ddp_script.py OUT_DIR [NAME,NAME,...] [STRATEGY]
+  NAME,...: callbacks to run (default: every export); STRATEGY: ``ddp`` (default) or a preset of conf/strategy
+  (``zero3``, ``fsdp``, ...), built by the app's builder with small buckets and every ZeRO-3 parameter partitioned.
 """
 
 from __future__ import annotations
@@ -21,13 +23,33 @@ from tests.helpers.tiny_fit import tiny_data, tiny_module  # noqa: E402
 KWARGS = {"MicroBatchFinder": {"budget_bytes": 200_000_000}}
 
 
-def main(out: str, names: list[str]) -> None:
+def _strategy(name: str) -> object:
+    if name == "ddp":
+        return "ddp"
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.precision import PrecisionSpec
+    from lightning_trainopt.strategies import build_strategy
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    node = OmegaConf.load(os.path.join(root, "conf", "strategy", f"{name}.yaml"))
+    # The tiny model's matrices are below the preset's persistence threshold: partition them all so the per-rank
+    # figures show ZeRO-3 sharding; CPU-sized buckets.
+    small = {"param_persistence_threshold": 0, "allgather_bucket_size": 200_000, "reduce_bucket_size": 200_000}
+    for key, value in small.items():
+        if key in node:
+            node[key] = value
+    spec = PrecisionSpec(name="fp32", trainer_precision="32-true")
+    return build_strategy(node, spec, {"accumulate_grad_batches": 1, "gradient_clip_val": None}, micro_batch_size=4)
+
+
+def main(out: str, names: list[str], strategy: str = "ddp") -> None:
     warnings.simplefilter("ignore")
     callbacks = [getattr(cbs, name)(**KWARGS.get(name, {})) for name in names]
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=_strategy(strategy),
         max_steps=4,
         log_every_n_steps=1,
         logger=False,
@@ -44,4 +66,8 @@ def main(out: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else list(cbs.__all__))
+    main(
+        sys.argv[1],
+        sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(cbs.__all__),
+        sys.argv[3] if len(sys.argv) > 3 else "ddp",
+    )

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lightning_trainopt.callbacks as cbs
+from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 
 #: Minimal constructor arguments per callback; every callback listed here builds with none (all have defaults).
@@ -58,11 +59,11 @@ def test_ddp_groups_cover_every_export():
     assert set().union(*DDP_GROUPS) == set(cbs.__all__)
 
 
-def _run_ddp(tmp_path, names):
+def _run_ddp(tmp_path, names, strategy="ddp"):
     env = {**os.environ, "PYTHONPATH": ROOT}
     script = os.path.join(ROOT, "tests", "integration", "_callbacks_ddp_script.py")
     proc = subprocess.run(
-        [sys.executable, script, str(tmp_path), ",".join(names)],
+        [sys.executable, script, str(tmp_path), ",".join(names), strategy],
         env=env,
         cwd=str(tmp_path),
         capture_output=True,
@@ -95,3 +96,36 @@ def test_all_callbacks_under_ddp_on_two_cpu_processes(tmp_path):
     assert s0["StepTimer"]["step_time"]["verdict"] in ("compute-bound", "input-bound", "optimizer/offload-bound")
     assert s0["MemoryBreakdown"]["memory_breakdown"]["activations"] > 0
     assert s0["CostMonitor"]["cost"]["device_hours"] > 0
+
+
+#: The measuring callbacks of issue 4; each must work under DeepSpeed and FSDP2 too, not only DDP.
+MONITORS = [
+    "GPUMonitor",
+    "StepTimer",
+    "SpeedMonitor",
+    "MemoryBreakdown",
+    "MemorySnapshot",
+    "CostMonitor",
+    "WarmupCosineLR",
+    "NonFiniteGuard",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [pytest.param("zero3", marks=RunIf(deepspeed=True)), "fsdp"])
+def test_monitors_under_sharded_strategies(tmp_path, strategy):
+    from tests.helpers.tiny_fit import TINY
+
+    ranks = _run_ddp(tmp_path, MONITORS, strategy)
+    for r in ranks:
+        s = r["summaries"]
+        tp = s["SpeedMonitor"]["throughput"]
+        assert tp["tokens_per_s"] > 0
+        assert tp["tokens_per_s_total"] == pytest.approx(2 * tp["tokens_per_s"])
+        assert s["StepTimer"]["step_time"]["verdict"] in ("compute-bound", "input-bound", "optimizer/offload-bound")
+        assert s["CostMonitor"]["cost"]["device_hours"] > 0
+        mb = s["MemoryBreakdown"]["memory_breakdown"]
+        assert mb["activations"] > 0
+        # Sharded parameters count by their local shard: half of the fp32 model per rank, to within the padding
+        # of odd-sized tensors (the tiny model's are all even: exact).
+        assert sum(mb["params"].values()) == pytest.approx(4 * TINY.n_params() / 2, rel=0.01)
