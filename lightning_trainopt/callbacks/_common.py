@@ -25,6 +25,14 @@ def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None
         logger.log_metrics(metrics, step=trainer.global_step if step is None else step)
 
 
+def check_log_every(key: str, value: int | None) -> None:
+    """Refuse a logging window that is not ``None`` or a positive integer (``key`` names it in the error)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        from lightning_trainopt.exceptions import ConfigError
+
+        raise ConfigError(key, value, "use a positive integer (optimizer steps), or null for the Trainer's.")
+
+
 def log_interval(trainer: pl.Trainer, own: int | None) -> int:
     """The callback's logging window in optimizer steps: its own, else the Trainer's ``log_every_n_steps``."""
     return max(1, own if own is not None else int(getattr(trainer, "log_every_n_steps", 50) or 50))

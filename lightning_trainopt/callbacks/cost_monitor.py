@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_trainopt.callbacks._common import (
     Clock,
     StepEdge,
+    check_log_every,
     default_clock,
     find_callback,
     json_safe,
@@ -60,8 +61,7 @@ class CostMonitor(Callback):
             )
         if target_tokens is not None and (not isinstance(target_tokens, int) or target_tokens < 1):
             raise ConfigError("callbacks.cost_monitor.target_tokens", target_tokens, "use a positive token count.")
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ConfigError("callbacks.cost_monitor.log_every_n_steps", log_every_n_steps, "use a positive integer.")
+        check_log_every("callbacks.cost_monitor.log_every_n_steps", log_every_n_steps)
         self.hardware = hardware
         self.price_per_device_hour = price_per_device_hour
         self.target_tokens = target_tokens

@@ -11,7 +11,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_trainopt.callbacks._common import StepEdge, json_safe, log_interval, log_metrics, warn_off
+from lightning_trainopt.callbacks._common import (
+    StepEdge,
+    check_log_every,
+    json_safe,
+    log_interval,
+    log_metrics,
+    warn_off,
+)
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["GPUMonitor"]
@@ -152,8 +159,7 @@ class GPUMonitor(Callback):
             raise ConfigError("callbacks.gpu_monitor.target_util_pct", target_util_pct, "use a percentage in (0, 100].")
         if not isinstance(patience, int) or patience < 1:
             raise ConfigError("callbacks.gpu_monitor.patience", patience, "use a positive integer.")
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ConfigError("callbacks.gpu_monitor.log_every_n_steps", log_every_n_steps, "use a positive integer.")
+        check_log_every("callbacks.gpu_monitor.log_every_n_steps", log_every_n_steps)
         self.interval_s = interval_s
         self.log_every_n_steps = log_every_n_steps
         self.target_util_pct = target_util_pct

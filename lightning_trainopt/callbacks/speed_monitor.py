@@ -11,7 +11,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_trainopt.callbacks._common import Clock, StepEdge, default_clock, json_safe, log_interval, log_metrics
+from lightning_trainopt.callbacks._common import (
+    Clock,
+    StepEdge,
+    check_log_every,
+    default_clock,
+    json_safe,
+    log_interval,
+    log_metrics,
+)
 from lightning_trainopt.core.flops import count_flops, transformer_flops
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
 from lightning_trainopt.core.throughput import batch_size_of, throughput
@@ -70,8 +78,7 @@ class SpeedMonitor(Callback):
         warmup_steps: int = 1,
         clock: Clock | None = None,
     ) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ConfigError("callbacks.speed_monitor.log_every_n_steps", log_every_n_steps, "use a positive integer.")
+        check_log_every("callbacks.speed_monitor.log_every_n_steps", log_every_n_steps)
         if peak_tflops is not None and not peak_tflops > 0:
             raise ConfigError("callbacks.speed_monitor.peak_tflops", peak_tflops, "use a positive TFLOP/s figure.")
         if recompute_fraction is not None and not 0.0 <= recompute_fraction <= 1.0:
