@@ -8,6 +8,13 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests whose ``RunIf`` needs a CUDA device get the ``cuda`` marker (``pytest -m cuda`` on a GPU machine)."""
+    for item in items:
+        if any(mark.kwargs.get("needs_cuda") for mark in item.iter_markers(name="skipif")):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     env = dict(os.environ)

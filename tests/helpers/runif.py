@@ -89,4 +89,7 @@ def RunIf(  # noqa: N802 - reads as a marker, like Lightning's helper
 
         if sys.platform == "win32":
             reasons.append("not supported on Windows")
-    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "requirements met")
+    # ``needs_cuda`` rides on the skipif mark (pytest reads only condition and reason); conftest turns it into the
+    # ``cuda`` marker, so a GPU machine runs every such test with ``pytest -m cuda`` (bench/gpu_checks.sh).
+    needs_cuda = bool(min_cuda_gpus or fp8 or nvml or bf16_cuda)
+    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "requirements met", needs_cuda=needs_cuda)
