@@ -11,50 +11,33 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_trainopt.callbacks._comm_probe import CommProbe, attach_comm_probe
 from lightning_trainopt.callbacks._common import Clock, default_clock, json_safe, log_interval, log_metrics
-from lightning_trainopt.core.step_time import StepSplit, Verdict, step_verdict
+from lightning_trainopt.core.step_time import StepSplit, Verdict, split_marks, step_verdict
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["StepTimer"]
 
-# (previous mark, next mark) -> phase; pairs not listed count as "other".
-_PHASE_OF = {
-    ("batch_end", "h2d_start"): "data_wait",
-    ("batch_end", "batch_start"): "data_wait",
-    ("h2d_end", "batch_start"): "data_wait",
-    ("h2d_start", "h2d_end"): "h2d",
-    ("batch_start", "before_backward"): "forward",
-    ("before_backward", "after_backward"): "backward",
-    ("after_backward", "before_optimizer_step"): "optimizer",
-    ("before_optimizer_step", "batch_end"): "optimizer",
-}
-
-
-def split_marks(times: list[tuple[str, float]]) -> StepSplit:
-    """Turn consecutive ``(mark, seconds)`` pairs into a :class:`StepSplit`.
-
-    Wall time is last - first mark, less the time between a ``pause`` and the next mark (validation loops).
-    """
-    split = StepSplit()
-    paused = 0.0
-    for (a, ta), (b, tb) in zip(times, times[1:]):
-        phase = _PHASE_OF.get((a, b))
-        if phase is not None:
-            split.add(phase, tb - ta)
-        elif a == "pause":
-            paused += tb - ta
-    if len(times) > 1:
-        split.wall = times[-1][1] - times[0][1] - paused
-    split.steps = sum(1 for name, _ in times if name == "before_optimizer_step")
-    return split
-
 
 class StepTimer(Callback):
-    """Splits every optimizer step into dataloader wait, host-to-device copy, forward, backward and optimizer step.
+    """Splits every optimizer step into data wait, host-to-device copy, forward, backward, exposed comm and optimizer.
 
     Timestamps are taken at hook boundaries: host ``perf_counter`` on CPU, CUDA events on GPU (recorded
     asynchronously, read once per logging window), so the training loop is never synchronised per step.
-    Exposed DDP/FSDP communication is inside ``backward`` (it cannot be separated without a profiler).
+
+    Exposed communication (``comm``) is the time from the hand-over of the last gradient to the reduction until
+    backward returns with reduced gradients; it is taken out of ``backward``. Where it is measured:
+
+    - DDP: StepTimer registers a communication hook (the default all-reduce plus one mark on the last bucket) at
+      fit start. If DDP already has a hook (``DDPStrategy(ddp_comm_hook=...)``), it is left alone, ``comm`` is not
+      measured and one line says so. ``no_sync`` micro-batches of gradient accumulation reduce nothing and count
+      as backward.
+    - DeepSpeed, FSDP2, tensor parallel (ModelParallelStrategy) and others: not measured (``comm_measured: false``,
+      one line says so); the wait stays inside forward, backward or the optimizer step, and the verdict never says
+      communication-bound. (DeepSpeed's backward epilogue mixes the reduction wait with its gradient bookkeeping.)
+
+    ``comm`` includes waiting for slower ranks (an all-reduce ends when every rank has joined it). Reductions that
+    overlap backward are not exposed and count as backward, although on CPU (gloo) they compete with it for cores.
 
     Args:
         log_every_n_steps: logging window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
@@ -102,6 +85,9 @@ class StepTimer(Callback):
         self._verdict: Verdict | None = None
         self._loader: dict[str, Any] = {}
         self._patched: tuple[Any, Any] | None = None
+        self._probe: CommProbe | None = None
+        self._probe_kind: str | None = None
+        self._comm_note: str | None = None
 
     def _mark(self, name: str) -> None:
         if self._cuda:
@@ -142,7 +128,24 @@ class StepTimer(Callback):
         self._patched = (strategy, original)
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The strategy has wrapped the model by now, and no backward has run: DDP hooks must be registered before.
+        if self._probe is not None:
+            self._probe.detach()
+        self._probe, why = attach_comm_probe(trainer.strategy.model, trainer.world_size, self._grads_ready)
+        if why is not None and why != self._comm_note:
+            rank_zero_info(f"StepTimer: exposed communication not measured: {why}.")
+        self._comm_note = why
+        self._probe_kind = self._probe.kind if self._probe is not None else None
+
+    def _grads_ready(self) -> None:
+        self._mark("grads_ready")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._probe is not None:
+            self._probe.detach()
+            self._probe = None
         if self._patched is not None:
             strategy, _ = self._patched
             if "batch_to_device" in vars(strategy):
@@ -211,7 +214,7 @@ class StepTimer(Callback):
 
     def _close_window(self, trainer: pl.Trainer) -> None:
         times = self._resolve()
-        split = split_marks(times)
+        split = split_marks(times, comm_measured=self._probe is not None)
         self._marks = self._marks[-1:]
         if split.steps == 0 or split.wall <= 0:
             return
@@ -248,12 +251,19 @@ class StepTimer(Callback):
         return self._total
 
     def summary(self) -> dict[str, Any]:
-        """``{"step_time": {fractions, step_s, steps, verdict, reason, remedies}}`` for metrics.json."""
+        """``{"step_time": {<phase>_frac, step_s, steps, comm_measured, comm_probe, comm_note, verdict, ...}}``.
+
+        ``comm_frac`` is among the fractions only when ``comm_measured``; ``comm_probe`` names the probe of the last
+        fit (``ddp_comm_hook`` or None) and ``comm_note`` why there was none (None on a single device);
+        ``verdict``, ``reason`` and ``remedies`` come from :func:`~lightning_trainopt.core.step_time.step_verdict`.
+        """
         total = self._total
         out: dict[str, Any] = {f"{k}_frac": v for k, v in total.fractions().items()}
         out["step_s"] = total.wall / total.steps if total.steps else None
         out["steps"] = total.steps
         out["comm_measured"] = total.comm_measured
+        out["comm_probe"] = self._probe_kind
+        out["comm_note"] = self._comm_note
         if self._verdict is not None:
             out.update(verdict=self._verdict.kind, reason=self._verdict.reason, remedies=list(self._verdict.remedies))
         return {"step_time": json_safe(out)}

@@ -1,7 +1,8 @@
 """The one place that touches private torch APIs, each behind a version/availability guard.
 
-Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot`` or
-``torch.cuda._get_nvml_device_index``; when torch changes them, only this file changes.
+Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``,
+``torch.cuda._get_nvml_device_index`` or read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data``; when torch changes
+them, only this file changes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ddp_comm_hook_name",
+    "ddp_comm_hook_state",
     "dump_memory_snapshot",
     "memory_history_supported",
     "nvml_device_index",
@@ -54,3 +57,26 @@ def nvml_device_index(device: Any) -> int:
     index = torch.cuda.current_device() if index is None else index
     getter = getattr(torch.cuda, "_get_nvml_device_index", None)
     return int(getter(index)) if getter is not None else int(index)
+
+
+def ddp_comm_hook_name(ddp: Any) -> str | None:
+    """Name of the communication hook already registered on a DDP module, or None.
+
+    DDP keeps Python hooks in ``_comm_hooks`` and records every hook (built-in C++ ones too) in its logging data;
+    a second registration raises inside the reducer, so callers check first.
+    """
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks:
+        return getattr(hooks[0][0], "__qualname__", repr(hooks[0][0]))
+    logging_data = getattr(ddp, "_get_ddp_logging_data", None)
+    if logging_data is not None:
+        name = logging_data().get("comm_hook")
+        if name:
+            return str(name)
+    return None
+
+
+def ddp_comm_hook_state(ddp: Any) -> Any | None:
+    """The state object of the Python communication hook registered on a DDP module (None if there is none)."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    return hooks[0][1] if hooks else None

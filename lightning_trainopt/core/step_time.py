@@ -4,9 +4,15 @@ A step is split at hook boundaries into phases (seconds summed over a window):
 
 - ``data_wait``: between the end of one batch and the start of the next (the dataloader, plus the loop's bookkeeping);
 - ``h2d``: the host-to-device copy of the batch (``strategy.batch_to_device``);
-- ``forward`` and ``backward`` (exposed communication of DDP/FSDP lies inside ``backward`` unless measured apart);
+- ``forward`` and ``backward`` (gradient compute);
 - ``optimizer``: gradient clipping hooks, the optimizer step (and ZeRO/CPU offload work) and zero_grad;
-- ``comm``: exposed communication when a strategy measures it apart, else absent.
+- ``comm``: exposed communication, from the moment the last gradient is handed to the gradient reduction
+  (mark ``grads_ready``) until backward returns with reduced gradients. Only a strategy with a probe sets that mark
+  (today DDP, through a communication hook); elsewhere the wait lies inside the other phases and ``comm`` is absent
+  from the fractions.
+
+Marks are ``(name, seconds)`` pairs taken at hook boundaries; :func:`split_marks` turns them into a
+:class:`StepSplit`.
 """
 
 from __future__ import annotations
@@ -14,9 +20,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PHASES", "StepSplit", "Verdict", "step_verdict"]
+__all__ = ["PHASES", "StepSplit", "Verdict", "split_marks", "step_verdict"]
 
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "comm")
+
+# (previous mark, next mark) -> phase; pairs not listed count as "other".
+_PHASE_OF = {
+    ("batch_end", "h2d_start"): "data_wait",
+    ("batch_end", "batch_start"): "data_wait",
+    ("h2d_end", "batch_start"): "data_wait",
+    ("h2d_start", "h2d_end"): "h2d",
+    ("batch_start", "before_backward"): "forward",
+    ("before_backward", "after_backward"): "backward",  # no reduction in this backward (no_sync) or no probe
+    ("before_backward", "grads_ready"): "backward",
+    ("grads_ready", "after_backward"): "comm",
+    ("after_backward", "before_optimizer_step"): "optimizer",
+    ("before_optimizer_step", "batch_end"): "optimizer",
+}
 
 
 @dataclass
@@ -55,6 +75,33 @@ class StepSplit:
             "steps": self.steps,
             "comm_measured": self.comm_measured,
         }
+
+
+def split_marks(times: list[tuple[str, float]], comm_measured: bool = False) -> StepSplit:
+    """Turn consecutive ``(mark, seconds)`` pairs into a :class:`StepSplit`.
+
+    Wall time is last - first mark, less the time between a ``pause`` and the next mark (validation loops).
+    A ``grads_ready`` mark inside a backward splits it: before it is gradient compute (``backward``), after it the
+    wait for the gradient reduction (``comm``). A backward without one (a ``no_sync`` micro-batch under gradient
+    accumulation, which reduces nothing) is all ``backward``.
+
+    Args:
+        times: marks in the order they were taken.
+        comm_measured: a probe placed ``grads_ready`` marks in this window, so ``comm`` is a measurement (a zero
+            means no exposed communication, not "unknown").
+    """
+    split = StepSplit(comm_measured=comm_measured)
+    paused = 0.0
+    for (a, ta), (b, tb) in zip(times, times[1:]):
+        phase = _PHASE_OF.get((a, b))
+        if phase is not None:
+            split.add(phase, tb - ta)
+        elif a == "pause":
+            paused += tb - ta
+    if len(times) > 1:
+        split.wall = times[-1][1] - times[0][1] - paused
+    split.steps = sum(1 for name, _ in times if name == "before_optimizer_step")
+    return split
 
 
 @dataclass(frozen=True)
@@ -137,6 +184,7 @@ def step_verdict(
                 "raise trainer.accumulate_grad_batches (fewer all-reduces per token)",
                 "use a larger DDP bucket_cap_mb or ZeRO-2 overlap_comm",
                 "keep tensor parallelism inside one node",
+                "rule out a straggler: waiting in the all-reduce for a slower rank (data, busy host) counts here too",
             ),
         )
     compute = f.get("forward", 0.0) + f.get("backward", 0.0)

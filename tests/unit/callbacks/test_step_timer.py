@@ -1,39 +1,19 @@
 import time
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+import lightning_trainopt.callbacks.step_timer as step_timer_module
 from lightning_trainopt.callbacks import StepTimer
-from lightning_trainopt.callbacks.step_timer import split_marks
+from lightning_trainopt.callbacks._comm_probe import CommProbe, _HookState, attach_comm_probe, timed_allreduce_hook
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.lit_gpt import LitGPT
 from tests.helpers.tiny_fit import ListLogger, tiny_module, tiny_trainer
-
-
-def test_split_marks_exact():
-    marks = [
-        ("batch_end", 0.0),
-        ("h2d_start", 1.0),
-        ("h2d_end", 1.5),
-        ("batch_start", 2.0),
-        ("before_backward", 3.0),
-        ("after_backward", 5.0),
-        ("before_optimizer_step", 5.5),
-        ("batch_end", 6.0),
-        ("pause", 6.5),
-        ("resume", 9.5),
-        ("batch_start", 10.0),
-    ]
-    s = split_marks(marks)
-    assert s.seconds["data_wait"] == 1.5
-    assert s.seconds["h2d"] == 0.5
-    assert s.seconds["forward"] == 1.0
-    assert s.seconds["backward"] == 2.0
-    assert s.seconds["optimizer"] == 1.0
-    assert s.wall == 7.0  # 10 s less the 3 s validation pause
-    assert s.steps == 1
 
 
 class SlowDataset(Dataset):
@@ -94,3 +74,109 @@ def test_state_dict_round_trip_and_bad_input():
     assert other.split.fractions() == timer.split.fractions()
     with pytest.raises(ConfigError, match="input_threshold"):
         StepTimer(input_threshold=1.5)
+
+
+class Ticker:
+    """A clock that advances one second at every reading, so each StepTimer mark lands one second after the last."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+class MarksInBackward(pl.LightningModule):
+    """Calls the probe's mark during backward, as StepTimer's DDP hook does when the last bucket is handed over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.mark: Any = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = self.layer(x).pow(2).mean()
+        loss.register_hook(lambda grad: (self.mark(), grad)[1])
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fake_probe_fit(monkeypatch, probe: bool):
+    module = MarksInBackward()
+
+    def fake_attach(model, world_size, mark):
+        module.mark = mark if probe else (lambda: None)
+        return (CommProbe("fake_probe", lambda: None), None) if probe else (None, "no probe for this strategy")
+
+    monkeypatch.setattr(step_timer_module, "attach_comm_probe", fake_attach)
+    timer = StepTimer(log_every_n_steps=1, warmup_steps=1, clock=Ticker())
+    logger = ListLogger()
+    trainer = tiny_trainer([timer], max_steps=3, logger=logger)
+    trainer.fit(module, train_dataloaders=DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+    return timer.summary()["step_time"], logger
+
+
+def test_probe_mark_moves_the_wait_from_backward_to_comm(monkeypatch):
+    # Marks per step, one tick apart: h2d_start, h2d_end, batch_start, before_backward, grads_ready, after_backward,
+    # before_optimizer_step, batch_end -> 8 s: data wait 2, copy 1, forward 1, backward 1, comm 1, optimizer 2.
+    s, logger = _fake_probe_fit(monkeypatch, probe=True)
+    assert logger.values("step_time/comm_frac") == [0.125, 0.125]
+    assert logger.values("step_time/backward_frac") == [0.125, 0.125]
+    assert logger.values("step_time/step_s") == [8.0, 8.0]
+    assert s["comm_measured"] is True
+    assert s["comm_probe"] == "fake_probe"
+    assert s["comm_note"] is None
+    assert (s["data_wait_frac"], s["h2d_frac"], s["forward_frac"], s["optimizer_frac"]) == (0.25, 0.125, 0.125, 0.25)
+    assert s["other_frac"] == 0.0
+
+
+def test_without_probe_comm_is_absent_and_the_note_says_why(monkeypatch):
+    s, logger = _fake_probe_fit(monkeypatch, probe=False)
+    assert logger.values("step_time/comm_frac") == []
+    assert logger.values("step_time/backward_frac") == [1 / 7, 1 / 7]  # 7 marks a step: no grads_ready
+    assert "comm_frac" not in s
+    assert s["comm_measured"] is False
+    assert s["comm_probe"] is None
+    assert s["comm_note"] == "no probe for this strategy"
+
+
+class FakeBucket:
+    def __init__(self, last: bool) -> None:
+        self.last = last
+
+    def is_last(self) -> bool:
+        return self.last
+
+
+def test_timed_hook_marks_only_the_last_bucket_and_returns_the_allreduce(monkeypatch):
+    calls: list[tuple[Any, Any]] = []
+    sentinel = object()
+
+    def fake_allreduce(process_group, bucket):
+        calls.append((process_group, bucket))
+        return sentinel
+
+    monkeypatch.setattr(default_hooks, "allreduce_hook", fake_allreduce)
+    marks: list[int] = []
+    state = _HookState(process_group="pg", mark=lambda: marks.append(1))
+    first, last = FakeBucket(False), FakeBucket(True)
+    assert timed_allreduce_hook(state, first) is sentinel
+    assert marks == []
+    assert timed_allreduce_hook(state, last) is sentinel
+    assert marks == [1]
+    state.active = False  # detached: still reduces, no longer marks
+    assert timed_allreduce_hook(state, last) is sentinel
+    assert marks == [1]
+    assert calls == [("pg", first), ("pg", last), ("pg", last)]
+
+
+def test_no_probe_without_ddp():
+    module = torch.nn.Linear(2, 2)
+    assert attach_comm_probe(module, 1, lambda: None) == (None, None)  # one process: nothing to communicate
+    probe, why = attach_comm_probe(module, 2, lambda: None)
+    assert probe is None
+    assert "measured under DDP only, not for Linear" in why

@@ -116,7 +116,9 @@ def test_offload_moves_optimizer_and_fp32_grads_to_cpu():
 
 def test_offload_with_accumulation_parks_half_gradients_on_cpu():
     layout = StrategyLayout(kind="deepspeed", zero_stage=2, offload_optimizer="cpu")
-    est = estimate_model_states([[600, 400]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2, accumulate=4)
+    est = estimate_model_states(
+        [[600, 400]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2, accumulate=4
+    )
     # Rank 1's partition [500, 1000) touches the 600-element parameter (from 0) and the 400 one: both whole.
     assert est.bytes("grads", "cpu") == 4 * 500 + 2 * 1000
     assert est.bytes("grads") == 0

@@ -1,4 +1,6 @@
-from lightning_trainopt.core.step_time import StepSplit, step_verdict
+import pytest
+
+from lightning_trainopt.core.step_time import StepSplit, split_marks, step_verdict
 
 
 def _split(**seconds):
@@ -42,3 +44,65 @@ def test_optimizer_comm_compute():
     assert step_verdict(comm).kind == "communication-bound"
     assert step_verdict(_split(forward=4.0, backward=5.0)).kind == "compute-bound"
     assert step_verdict(StepSplit()).kind == "unknown"
+
+
+def test_split_marks_exact():
+    marks = [
+        ("batch_end", 0.0),
+        ("h2d_start", 1.0),
+        ("h2d_end", 1.5),
+        ("batch_start", 2.0),
+        ("before_backward", 3.0),
+        ("after_backward", 5.0),
+        ("before_optimizer_step", 5.5),
+        ("batch_end", 6.0),
+        ("pause", 6.5),
+        ("resume", 9.5),
+        ("batch_start", 10.0),
+    ]
+    s = split_marks(marks)
+    assert s.seconds["data_wait"] == 1.5
+    assert s.seconds["h2d"] == 0.5
+    assert s.seconds["forward"] == 1.0
+    assert s.seconds["backward"] == 2.0
+    assert s.seconds["optimizer"] == 1.0
+    assert s.wall == 7.0  # 10 s less the 3 s validation pause
+    assert s.steps == 1
+    assert not s.comm_measured
+
+
+def test_grads_ready_splits_backward_into_compute_and_exposed_comm():
+    # One optimizer step of two micro-batches (accumulation 2): the first runs under no_sync (no reduction, so no
+    # grads_ready mark), the second hands its last bucket over at t=13 and backward returns at t=17.
+    marks = [
+        ("batch_end", 0.0),
+        ("batch_start", 1.0),
+        ("before_backward", 3.0),
+        ("after_backward", 7.0),  # no_sync micro-batch: all 4 s are backward compute
+        ("batch_end", 7.0),
+        ("batch_start", 8.0),
+        ("before_backward", 10.0),
+        ("grads_ready", 13.0),
+        ("after_backward", 17.0),
+        ("before_optimizer_step", 18.0),
+        ("batch_end", 20.0),
+    ]
+    s = split_marks(marks, comm_measured=True)
+    assert s.seconds == {"data_wait": 2.0, "h2d": 0.0, "forward": 4.0, "backward": 7.0, "optimizer": 3.0, "comm": 4.0}
+    assert s.wall == 20.0
+    assert s.steps == 1
+    f = s.fractions()
+    assert f["comm"] == 0.2
+    assert f["backward"] == 0.35
+    assert f["other"] == pytest.approx(0.0)
+    assert sum(f.values()) == pytest.approx(1.0)
+    v = step_verdict(s)
+    assert v.kind == "compute-bound"  # 20% < 25%
+    assert step_verdict(s, comm_threshold=0.15).kind == "communication-bound"
+    assert step_verdict(s, comm_threshold=0.15).reason == "20% of wall time is exposed communication"
+
+
+def test_comm_measured_zero_is_shown_and_unmeasured_is_absent():
+    marks = [("batch_start", 0.0), ("before_backward", 1.0), ("after_backward", 2.0), ("before_optimizer_step", 2.0)]
+    assert split_marks(marks, comm_measured=True).fractions()["comm"] == 0.0
+    assert "comm" not in split_marks(marks).fractions()

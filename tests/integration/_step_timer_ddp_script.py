@@ -1,0 +1,150 @@
+"""StepTimer's exposed-communication probe under DDP on 2 CPU (gloo) processes; one fit per setup, same processes.
+
+Usage: python tests/integration/_step_timer_ddp_script.py OUT_DIR [SETUP,SETUP,...]
+Setups: ``comm`` (many parameters, almost no compute), ``compute`` (few parameters, much compute, gradient
+accumulation 2), ``user_hook`` (the strategy registers its own DDP hook, which StepTimer must leave alone); on one
+CUDA device ``gpu_comm`` and ``gpu_user_hook`` (Lightning registers ``ddp_comm_hook`` on CUDA).
+Each rank writes OUT_DIR/rank{r}.json: ``{setup: {"summary": ..., "grads_ready": marks taken, "global_step": ...,
+"user_hook_calls": ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_trainopt.callbacks import StepTimer  # noqa: E402
+
+# name -> (width, layers, micro-batch rows, accumulate_grad_batches, DDPStrategy kwargs).
+# "comm": 16 x 1024^2 x 4 B = 64 MiB all-reduced per step for ~0.1 GFLOP of compute, in one bucket (grads as bucket
+# views, bucket_cap_mb above the model) so the whole all-reduce waits after backward.
+# "compute": 4 x 256^2 x 4 B = 1 MiB all-reduced per step in four buckets of one layer (0.25 MiB) each, for
+# 2 x 6.4 GFLOP (4096-row matmuls, accumulation 2: each step's first micro-batch runs under no_sync, reducing nothing).
+SETUPS: dict[str, tuple[int, int, int, int, dict[str, Any]]] = {
+    "comm": (1024, 16, 1, 1, {"gradient_as_bucket_view": True, "bucket_cap_mb": 100}),
+    "compute": (256, 4, 4096, 2, {"bucket_cap_mb": 0.2}),
+    "user_hook": (128, 4, 64, 1, {}),
+    # One CUDA device, DDP over NCCL (world size 1): the CUDA-event path of the probe, and a hook Lightning registers.
+    "gpu_comm": (1024, 16, 1, 1, {"gradient_as_bucket_view": True, "bucket_cap_mb": 100}),
+    "gpu_user_hook": (1024, 16, 1, 1, {"ddp_comm_hook": default_hooks.fp16_compress_hook}),
+}
+MAX_STEPS = 10
+
+
+class SameBatch(Dataset):
+    """``length`` copies of one pre-built micro-batch: no per-row collation, no memory per item."""
+
+    def __init__(self, batch: torch.Tensor, length: int) -> None:
+        self.batch, self.length = batch, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return (self.batch,)
+
+
+class Stack(pl.LightningModule):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Plain SGD: its step is one pass over the parameters, so the comm-heavy setup is not optimizer-bound.
+        return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+
+class CountingTimer(StepTimer):
+    """StepTimer that also counts the probe's marks (one per reducing backward) and DDP's buckets."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.grads_ready = 0
+        self.num_buckets = 0
+
+    def _grads_ready(self) -> None:
+        self.grads_ready += 1
+        super()._grads_ready()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        # Private DDP logging data, read only to check that the compute setup really has several buckets.
+        rebuilt = trainer.strategy.model._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+        self.num_buckets = len(rebuilt.split(",")) if rebuilt else 0
+
+
+class UserHookDDP(DDPStrategy):
+    """Registers a user hook on CPU too (Lightning's DDPStrategy registers ``ddp_comm_hook`` on CUDA only)."""
+
+    calls = 0
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+
+        # Unannotated: with `from __future__ import annotations` DDP's hook check rejects the string annotations.
+        def user_hook(state, bucket):  # type: ignore[no-untyped-def]
+            UserHookDDP.calls += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        self.model.register_comm_hook(None, user_hook)
+
+
+def run(setup: str) -> dict[str, Any]:
+    width, layers, batch, accumulate, ddp_kwargs = SETUPS[setup]
+    torch.manual_seed(0)
+    # Pre-built micro-batches (DataLoader(batch_size=None)): collating 4096 rows one by one would make it input-bound.
+    data = SameBatch(torch.randn(batch, width), length=MAX_STEPS * accumulate * 2)
+    timer = CountingTimer(warmup_steps=1, log_every_n_steps=2)
+    strategy = UserHookDDP(**ddp_kwargs) if setup == "user_hook" else DDPStrategy(**ddp_kwargs)
+    on_gpu = setup.startswith("gpu_")
+    trainer = pl.Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1 if on_gpu else 2,
+        strategy=strategy,
+        max_steps=MAX_STEPS,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
+    trainer.fit(Stack(width, layers), DataLoader(data, batch_size=None))
+    return {
+        "num_buckets": timer.num_buckets,
+        "summary": timer.summary()["step_time"],
+        "grads_ready": timer.grads_ready,
+        "global_step": trainer.global_step,
+        "user_hook_calls": UserHookDDP.calls,
+        "rank": trainer.global_rank,
+    }
+
+
+def main(out: str, setups: list[str]) -> None:
+    warnings.simplefilter("ignore")
+    results = {setup: run(setup) for setup in setups}
+    rank = results[setups[0]]["rank"]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ["comm", "compute", "user_hook"])
