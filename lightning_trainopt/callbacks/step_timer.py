@@ -12,7 +12,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._comm_probe import CommProbe, attach_comm_probe
-from lightning_trainopt.callbacks._common import Clock, default_clock, json_safe, log_interval, log_metrics
+from lightning_trainopt.callbacks._common import (
+    Clock,
+    check_log_every,
+    default_clock,
+    json_safe,
+    log_interval,
+    log_metrics,
+)
 from lightning_trainopt.core.step_time import StepSplit, Verdict, split_marks, step_verdict
 from lightning_trainopt.exceptions import ConfigError
 
@@ -61,8 +68,7 @@ class StepTimer(Callback):
         comm_threshold: float = 0.25,
         clock: Clock | None = None,
     ) -> None:
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ConfigError("callbacks.step_timer.log_every_n_steps", log_every_n_steps, "use a positive integer.")
+        check_log_every("callbacks.step_timer.log_every_n_steps", log_every_n_steps)
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ConfigError("callbacks.step_timer.warmup_steps", warmup_steps, "use an integer >= 0.")
         for key, value in (
