@@ -12,6 +12,15 @@ GPU (one H200-class device, ~1B model)::
 One preset alone (used by the integration tests; writes a JSON report on rank 0)::
 
     python bench/strategies.py --single zero3 --devices 2 --out /tmp/r.json
+
+Several presets one after another in the same process group (one launch, one process start-up; the JSON then maps
+each preset to its report; ``--save-to DIR`` saves each preset's checkpoint under ``DIR/PRESET``; ``--ckpt-dir`` and
+``--resume`` take a ``{preset}`` placeholder)::
+
+    python bench/strategies.py --single ddp zero1 zero2 --devices 2 --precision 32-true --out /tmp/r.json
+    python bench/strategies.py --single ddp zero3 --devices 2 --ckpt-dir 'ck/{preset}' --epoch-batches 3 --out a.json
+    python bench/strategies.py --single ddp zero3 --devices 2 --resume 'ck/{preset}/step3.ckpt' --epoch-batches 3 \
+        --out b.json
 """
 
 from __future__ import annotations
@@ -41,7 +50,60 @@ def _dir_bytes(path: str) -> int:
 
 
 def run_single(args: argparse.Namespace) -> None:
-    """Fit one preset in this process group and write a JSON report from rank 0."""
+    """Fit each ``--single`` preset in turn in this process group and write one JSON report from rank 0.
+
+    Lightning's launcher starts ranks 1.. on the first fit by re-running this script with the same argv, so every
+    rank runs the same presets in the same order. Between fits the process group (DeepSpeed's included) is
+    destroyed; the launcher's environment (``LOCAL_RANK``, ``MASTER_PORT``, ...) stays, so the next fit joins the
+    same ranks on the same port instead of starting new processes.
+    """
+    presets = args.single
+    for flag, value in (("--ckpt-dir", args.ckpt_dir), ("--resume", args.resume)):
+        if len(presets) > 1 and value and "{preset}" not in value:
+            raise SystemExit(f"{flag} with several presets needs a {{preset}} placeholder, e.g. ck/{{preset}}")
+    reports: dict[str, Any] = {}
+    for preset in presets:
+        save_to = args.save_to and (args.save_to if len(presets) == 1 else str(Path(args.save_to) / preset))
+        paths = {
+            "ckpt_dir": args.ckpt_dir and args.ckpt_dir.replace("{preset}", preset),
+            "resume": args.resume and args.resume.replace("{preset}", preset),
+        }
+        report = _fit_one(argparse.Namespace(**{**vars(args), **paths}), preset, save_to)
+        if report is not None:
+            reports[preset] = report
+        _release_process_group()
+    if reports:
+        out = reports[presets[0]] if len(presets) == 1 else reports
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def _release_process_group() -> None:
+    """Destroy the process group so the next fit initialises a fresh one, on a fresh port.
+
+    DeepSpeed caches its groups in module globals, so its own ``destroy_process_group`` is used when it is loaded.
+    The next fit must not reuse ``MASTER_PORT``: a store left from a DeepSpeed group on that port hands the new
+    group stale peer addresses (measured: gloo ``connectFullMesh ... Connection refused``). Rank 0 picks a free port
+    and broadcasts it while the old group still exists.
+    """
+    import gc
+
+    import torch
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        port = [find_free_network_port() if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(port, src=0)
+        os.environ["MASTER_PORT"] = str(port[0])
+        ds_comm = sys.modules.get("deepspeed.comm")
+        if ds_comm is not None and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
+    gc.collect()
+
+
+def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict[str, Any] | None:
+    """Fit one preset; the report on rank 0, ``None`` on the other ranks."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -68,7 +130,7 @@ def run_single(args: argparse.Namespace) -> None:
             self.losses[trainer.global_step] = float(loss.detach().float())
 
     pl.seed_everything(args.seed, workers=True)
-    cfg = OmegaConf.load(ROOT / "conf" / "strategy" / f"{args.single}.yaml")
+    cfg = OmegaConf.load(ROOT / "conf" / "strategy" / f"{preset}.yaml")
     if args.accelerator == "cpu" and "deepspeed" in str(cfg._target_).lower():
         for k, v in _CPU_OVERRIDES.items():
             if k in cfg:
@@ -134,33 +196,34 @@ def run_single(args: argparse.Namespace) -> None:
     )
     trainer.fit(module, dm, ckpt_path=args.resume)
     ckpt_bytes = None
-    if args.save_to:
-        trainer.save_checkpoint(args.save_to)
+    if save_to:
+        trainer.save_checkpoint(save_to)
         trainer.strategy.barrier()
-        ckpt_bytes = _dir_bytes(args.save_to)
-    if trainer.is_global_zero:
-        steady = losses.times[2:] or losses.times
-        out = {
-            **report.summary(),
-            "preset": args.single,
-            "devices": args.devices,
-            "precision": args.precision,
-            "n_params": model_cfg.n_params(),
-            "losses": losses.losses,
-            "step_time_s": sum(steady) / max(len(steady), 1),
-            "checkpoint_bytes": ckpt_bytes,
-            "torch": torch.__version__,
-        }
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        ckpt_bytes = _dir_bytes(save_to)
+    if not trainer.is_global_zero:
+        return None
+    steady = losses.times[2:] or losses.times
+    return {
+        **report.summary(),
+        "preset": preset,
+        "devices": args.devices,
+        "precision": args.precision,
+        "n_params": model_cfg.n_params(),
+        "losses": losses.losses,
+        "step_time_s": sum(steady) / max(len(steady), 1),
+        "checkpoint_bytes": ckpt_bytes,
+        "torch": torch.__version__,
+    }
 
 
-def _launch(preset: str, devices: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"{preset}_{devices}.json"
+def _launch(presets: list[str], devices: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Run ``presets`` one after another in one process group of ``devices`` processes; reports by preset."""
+    out = tmp / f"reports_{devices}.json"
     cmd = [
         sys.executable,
         __file__,
         "--single",
-        preset,
+        *presets,
         "--devices",
         str(devices),
         "--out",
@@ -178,14 +241,15 @@ def _launch(preset: str, devices: int, args: argparse.Namespace, tmp: Path) -> d
         "--max-steps",
         str(args.max_steps),
         "--save-to",
-        str(tmp / f"ckpt_{preset}_{devices}"),
+        str(tmp / f"ckpt_{devices}" / presets[0] if len(presets) == 1 else tmp / f"ckpt_{devices}"),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        raise RuntimeError(f"{preset} on {devices} process(es) failed (rc={proc.returncode})")
-    return json.loads(out.read_text())
+        raise RuntimeError(f"{presets} on {devices} process(es) failed (rc={proc.returncode})")
+    reports = json.loads(out.read_text())
+    return {presets[0]: reports} if len(presets) == 1 else reports
 
 
 def _mib(n: int | None) -> str:
@@ -194,7 +258,7 @@ def _mib(n: int | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--single", help="run one preset and write --out (internal)")
+    parser.add_argument("--single", nargs="+", help="run these presets in one process group and write --out")
     parser.add_argument("--presets", nargs="+", default=CPU_PRESETS)
     parser.add_argument("--compare-single", action="store_true", help="also run every preset on 1 process")
     parser.add_argument("--accelerator", default="cpu")
@@ -222,16 +286,14 @@ def main() -> None:
 
     tmp = Path(args.workdir)
     tmp.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for preset in args.presets:
-        r = _launch(preset, args.devices, args, tmp)
-        r1 = _launch(preset, 1, args, tmp) if args.compare_single else None
-        rows.append((preset, r, r1))
-        print(f"done {preset}", file=sys.stderr)
+    many = _launch(args.presets, args.devices, args, tmp)
+    print(f"done: {args.presets} on {args.devices} process(es)", file=sys.stderr)
+    one = _launch(args.presets, 1, args, tmp) if args.compare_single else {}
+    rows = [(preset, many[preset], one.get(preset)) for preset in args.presets]
     base = rows[0][1] if rows and rows[0][0] == "ddp" else None
     header = (
         f"| preset | ZeRO | step s | params dev/cpu MiB | grads dev/cpu MiB | optim dev/cpu MiB | ckpt MiB "
-        f"| total vs DDP |{' 1-proc optim/grads/params MiB |' if args.compare_single else ''}"
+        f"| total vs DDP |{' 1-proc params/grads/optim MiB | N/1 params/grads/optim |' if args.compare_single else ''}"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -248,7 +310,9 @@ def main() -> None:
         cells += [_mib(r["checkpoint_bytes"]), ratio]
         if r1 is not None:
             m1 = r1["memory_breakdown"]
-            cells.append(" / ".join(_mib(sum(m1[c].values())) for c in ("optimizer_states", "grads", "params")))
+            cats = ("params", "grads", "optimizer_states")
+            cells.append(" / ".join(_mib(sum(m1[c].values())) for c in cats))
+            cells.append(" / ".join(f"{sum(mb[c].values()) / max(sum(m1[c].values()), 1):.3f}" for c in cats))
         print("| " + " | ".join(cells) + " |")
     Path(args.out).write_text(json.dumps([{"preset": p, "n": r, "one": r1} for p, r, r1 in rows], indent=1))
 

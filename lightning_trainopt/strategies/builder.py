@@ -119,11 +119,31 @@ def _map_deepspeed(
             loaded = load_deepspeed_json(user_json)
             loaded.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
             node["config"] = loaded
+    if isinstance(node.get("config"), dict) and "train_batch_size" in node["config"]:
+        _check_train_batch_size(node["config"], trainer)
     if precision.is_fp16:
         if precision.init_scale is not None:
             node["initial_scale_power"] = _log2_int(precision.init_scale, "precision.init_scale")
         if precision.growth_interval is not None:
             node["loss_scale_window"] = precision.growth_interval
+
+
+def _check_train_batch_size(config: dict[str, Any], trainer: dict[Any, Any]) -> None:
+    """Refuse a JSON ``train_batch_size`` that the micro-batch and world size cannot make, before any spawn.
+
+    Only when the world size is known here (integer ``trainer.devices`` and ``trainer.num_nodes``); the strategy
+    repeats the check at set-up in every case.
+    """
+    from lightning_trainopt.strategies.deepspeed import TrainOptDeepSpeedStrategy
+
+    micro = config.get("train_micro_batch_size_per_gpu")
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    if not (isinstance(micro, int) and isinstance(devices, int) and isinstance(nodes, int) and devices > 0):
+        return
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    TrainOptDeepSpeedStrategy.accumulation_for_train_batch_size(
+        config["train_batch_size"], micro, devices * nodes, accumulate if isinstance(accumulate, int) else 1
+    )
 
 
 def preset_name(strategy: Strategy | str) -> str:
@@ -135,9 +155,10 @@ def preset_name(strategy: Strategy | str) -> str:
 
 
 def strategy_info(trainer: Any) -> dict[str, Any]:
-    """``{"strategy": preset, "zero_stage": stage the DeepSpeed engine runs (None otherwise), "offload": ...}``."""
+    """``{"strategy": preset, "zero_stage": stage the DeepSpeed engine runs (None otherwise), "offload": ...,
+    "optimizer": {"name": class the DeepSpeed engine steps with, "lr": its first group's lr} or None}``."""
     strategy = trainer.strategy
-    info: dict[str, Any] = {"strategy": preset_name(strategy), "zero_stage": None, "offload": None}
+    info: dict[str, Any] = {"strategy": preset_name(strategy), "zero_stage": None, "offload": None, "optimizer": None}
     engine = getattr(strategy, "model", None)
     if engine is not None and hasattr(engine, "zero_optimization_stage"):
         info["zero_stage"] = int(engine.zero_optimization_stage())
@@ -145,6 +166,9 @@ def strategy_info(trainer: Any) -> dict[str, Any]:
             "optimizer": _offload_device(engine.zero_offload_optimizer()),
             "param": _offload_device(engine.zero_offload_param()),
         }
+        basic = getattr(engine, "basic_optimizer", None)
+        if basic is not None:
+            info["optimizer"] = {"name": type(basic).__name__, "lr": float(basic.param_groups[0]["lr"])}
     return info
 
 

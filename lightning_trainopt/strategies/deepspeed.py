@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
@@ -19,6 +20,7 @@ from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.strategies.nvme_resume import restore_nvme_optimizer_state
 
 __all__ = ["TrainOptDeepSpeedStrategy", "to_deepspeed_cpu_adam"]
 
@@ -236,15 +238,24 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
             self._reconcile_train_batch_size(trainer)
         super()._format_batch_size_and_grad_accum_config()
 
-    def _reconcile_train_batch_size(self, trainer: Any) -> None:
-        assert isinstance(self.config, dict)
-        total = self.config["train_batch_size"]
-        micro = self.config.get("train_micro_batch_size_per_gpu") or self._auto_select_batch_size()
-        self.config["train_micro_batch_size_per_gpu"] = micro
-        world = self.world_size
+    @staticmethod
+    def accumulation_for_train_batch_size(total: Any, micro: int, world: int, accumulate: int) -> int:
+        """The gradient accumulation that makes ``micro x world x accumulation`` equal a JSON's ``train_batch_size``.
+
+        Pure, so the builder can run the same check before any process spawns.
+
+        Args:
+            total: ``train_batch_size`` of the user's DeepSpeed JSON.
+            micro: micro-batch per process.
+            world: number of processes.
+            accumulate: ``trainer.accumulate_grad_batches`` (1 means "derive it").
+
+        Raises:
+            ConfigError: ``train_batch_size`` is not a positive multiple of ``micro x world``, or an explicit
+                ``trainer.accumulate_grad_batches`` disagrees with it.
+        """
         per_step = micro * world
-        accumulate = trainer.accumulate_grad_batches
-        if not isinstance(total, int) or total < 1 or total % per_step:
+        if not isinstance(total, int) or isinstance(total, bool) or total < 1 or total % per_step:
             valid = [per_step * k for k in (1, 2, 4, 8)]
             raise ConfigError(
                 "strategy.config.train_batch_size",
@@ -254,9 +265,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
                 "trainer.accumulate_grad_batches).",
             )
         derived = total // per_step
-        if derived == accumulate:
-            return
-        if accumulate != 1:
+        if accumulate not in (1, derived):
             raise ConfigError(
                 "trainer.accumulate_grad_batches",
                 accumulate,
@@ -264,6 +273,17 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
                 f"{derived} accumulation steps; set trainer.accumulate_grad_batches={derived} or remove "
                 "train_batch_size.",
             )
+        return derived
+
+    def _reconcile_train_batch_size(self, trainer: Any) -> None:
+        assert isinstance(self.config, dict)
+        total = self.config["train_batch_size"]
+        micro = self.config.get("train_micro_batch_size_per_gpu") or self._auto_select_batch_size()
+        self.config["train_micro_batch_size_per_gpu"] = micro
+        world = self.world_size
+        derived = self.accumulation_for_train_batch_size(total, micro, world, trainer.accumulate_grad_batches)
+        if derived == trainer.accumulate_grad_batches:
+            return
         rank_zero_info(
             f"DeepSpeed config train_batch_size={total} = micro-batch {micro} x {world} processes x {derived}: "
             f"using gradient accumulation {derived} (trainer.accumulate_grad_batches was 1)."
@@ -271,6 +291,20 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         trainer.accumulate_grad_batches = derived
 
     # ----------------------------------------------------------------- optimizer
+    @override
+    def _initialize_deepspeed_train(self, model: torch.nn.Module) -> None:
+        super()._initialize_deepspeed_train(model)
+        # A JSON ``optimizer`` block is built by DeepSpeed itself (DeepSpeedCPUAdam under offload); Lightning runs
+        # DeepSpeed at WARN level, so without this line the log would not say which optimizer steps.
+        basic = getattr(self.model, "basic_optimizer", None)
+        if basic is not None:
+            assert isinstance(self.config, dict)
+            source = "the DeepSpeed config's optimizer block" if "optimizer" in self.config else "configure_optimizers"
+            rank_zero_info(
+                f"DeepSpeed steps with {type(basic).__module__}.{type(basic).__name__} "
+                f"(lr={basic.param_groups[0]['lr']:g}, from {source})."
+            )
+
     @override
     def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
         optimizer, scheduler_config = super()._init_optimizers()
@@ -316,4 +350,8 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.exists(checkpoint_path):
             raise ConfigError("ckpt_path", str(checkpoint_path), "point it at an existing checkpoint directory.")
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and os.path.isdir(checkpoint_path) and self.offload_devices()["optimizer"] == "nvme":
+            restore_nvme_optimizer_state(self.model, str(checkpoint_path))
+        return checkpoint

@@ -1,0 +1,116 @@
+"""A user's own DeepSpeed JSON, as the issue writes it, through the real app on 2 CPU processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_trainopt.exceptions import ConfigError
+from tests.helpers.compose import REPO_ROOT, compose_config
+from tests.helpers.runif import RunIf
+
+# Exactly the JSON of issue #3.
+ISSUE_JSON = (
+    '{"train_batch_size": 1024, "optimizer": {"type": "AdamW", "params": {"lr": 6e-5}}, '
+    '"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}'
+)
+MICRO_BATCH = 64
+# gpt_tiny (the smallest model preset) on 16-token sequences: 1024 / (64 x 2) = 8 cheap micro-steps per step.
+COMMON = (
+    "trainer=ddp_sim",
+    "model=gpt_tiny",
+    "data=synthetic",
+    f"data.batch_size={MICRO_BATCH}",
+    "data.seq_len=16",
+    # Not used (the JSON's optimizer block replaces configure_optimizers) but still validated against max_steps.
+    "scheduler.warmup_steps=0",
+    "trainer.limit_val_batches=0",
+    "trainer.enable_progress_bar=false",
+    "callbacks=none",
+    "logger=none",
+)
+
+
+@pytest.mark.slow
+@RunIf(deepspeed=True)
+def test_issue_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_path):
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(ISSUE_JSON)
+    run_dir = tmp_path / "run"
+    # 2 optimizer steps: the per-rank memory breakdown is taken at the second one (Adam's states exist by then).
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "+strategy=deepspeed_json",
+            f"strategy.config={ds_json}",
+            *COMMON,
+            "trainer.max_steps=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert ds_json.read_text() == ISSUE_JSON  # used as is, never rewritten
+    m = json.loads((run_dir / "metrics.json").read_text())
+
+    assert m["strategy"] == "deepspeed_json"
+    assert m["world_size"] == 2
+    assert m["zero_stage"] == 3  # as the DeepSpeed engine reports it
+    assert m["offload"] == {"optimizer": "cpu", "param": "none"}
+    # DeepSpeed built the JSON's AdamW itself and, under optimizer offload, as its CPU Adam; lr from the JSON (our
+    # optimizer preset's lr and scheduler are not used).
+    assert m["optimizer"] == {"name": "DeepSpeedCPUAdam", "lr": 6e-5}
+    log = proc.stdout + proc.stderr
+    assert "DeepSpeedCPUAdam (lr=6e-05, from the DeepSpeed config's optimizer block)" in log
+    # train_batch_size = micro-batch x world size x accumulation.
+    assert m["micro_batch_size"] == MICRO_BATCH
+    assert m["accumulate_grad_batches"] == 1024 // (MICRO_BATCH * 2) == 8
+    assert m["global_batch_size"] == 1024
+    assert m["global_step"] == 2
+    assert m["tokens_seen"] == 2 * 1024 * 16
+    assert "using gradient accumulation 8" in log
+    # The optimizer states really live on the CPU: fp32 master + 2 moments (12 B/param) of this rank's half.
+    opt = m["memory_breakdown"]["optimizer_states"]
+    assert opt["device"] == 0
+    assert opt["cpu"] == pytest.approx(12 * m["n_params"] / 2, rel=1e-3)
+
+
+@RunIf(deepspeed=True)
+@pytest.mark.parametrize(
+    ("json_text", "extra", "key", "fix"),
+    [
+        # 1000 is not a multiple of micro-batch 64 x 2 processes.
+        (ISSUE_JSON.replace("1024", "1000"), (), "strategy.config.train_batch_size=1000", "x world size (2) = 128"),
+        # 1024 needs 8 accumulation steps; an explicit, different value is a contradiction, not something to pick.
+        (ISSUE_JSON, ("trainer.accumulate_grad_batches=4",), "trainer.accumulate_grad_batches=4", "=8 or remove"),
+    ],
+    ids=["not_a_multiple", "conflicting_accumulation"],
+)
+def test_inconsistent_train_batch_size_is_refused_before_any_process_spawns(
+    tmp_path, monkeypatch, json_text, extra, key, fix
+):
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from lightning_trainopt.app.train import train
+
+    def spawned(*args, **kwargs):
+        raise AssertionError("a rank was spawned before the config was refused")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", spawned)
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json_text)
+    cfg = compose_config(
+        ["+strategy=deepspeed_json", f"strategy.config={ds_json}", *COMMON, "trainer.max_steps=2", *extra], tmp_path
+    )
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    assert str(err.value).startswith(f"{key} is invalid")
+    assert fix in str(err.value)
+    assert not (tmp_path / "metrics.json").exists()
