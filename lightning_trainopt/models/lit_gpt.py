@@ -97,11 +97,15 @@ class LitGPT(pl.LightningModule):
         return loss
 
     def param_groups(self, weight_decay: float | None = None) -> list[dict[str, Any]]:
-        """Weight decay on matrices only; norms and other 1-D parameters are not decayed."""
+        """Weight decay on matrices only; norms and other 1-D parameters are not decayed.
+
+        The shape is the parameter's true one: under DeepSpeed ZeRO-3 every partitioned parameter is a 1-D (often
+        empty) placeholder whose real shape is ``ds_shape``; judging by ``p.dim()`` there would decay nothing.
+        """
         decay, no_decay = [], []
         for p in self.parameters():
             if p.requires_grad:
-                (decay if p.dim() >= 2 else no_decay).append(p)
+                (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
         groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
         if weight_decay is not None:
             groups[0]["weight_decay"] = weight_decay

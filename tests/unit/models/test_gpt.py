@@ -70,3 +70,20 @@ def test_bad_shapes_are_refused(kwargs, key):
     with pytest.raises(ConfigError) as err:
         GPTConfig(**{**base, **kwargs})
     assert err.value.key == key
+
+
+def test_param_groups_decay_matrices_also_when_zero3_partitioned():
+    from lightning_trainopt.models.lit_gpt import LitGPT
+
+    module = LitGPT(GPTConfig(name="t", vocab_size=64, n_layers=1, d_model=32, n_heads=2, ffn_hidden=64, max_seq_len=8))
+    module.configure_model()
+    expected = {id(p) for p in module.parameters() if p.dim() >= 2}
+    assert expected
+    # What ZeRO-3 leaves on every rank: an empty 1-D placeholder, the true shape in ds_shape.
+    for p in module.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0, dtype=p.dtype)
+    decay, no_decay = module.param_groups()
+    assert {id(p) for p in decay["params"]} == expected
+    assert no_decay["weight_decay"] == 0.0
+    assert len(no_decay["params"]) == sum(1 for _ in module.parameters()) - len(expected)
