@@ -51,8 +51,12 @@ def test_zero_infinity_swaps_optimizer_state_to_disk_and_resumes_the_same_trajec
     assert full["offload"] == {"optimizer": "nvme", "param": "nvme"}
     swap_files = [p for p in nvme.rglob("*.swp") if p.stat().st_size > 0]
     assert swap_files, "no swap file was written under nvme_path"
-    # fp32 master + 2 moments of this rank's half of the model, at least, are on disk.
-    assert full["memory_breakdown"]["optimizer_states"]["nvme"] >= 12 * full["n_params"] // 2
+    # fp32 master + 2 moments of this rank's half of the model are on disk, except possibly the state of the nine
+    # RMSNorm weight partitions (128 elements per rank each): whether DeepSpeed has swapped those tiny tensors out
+    # at the measuring point varies from run to run (measured: 19,379,712 B = 12 x n/2 in one run, 19,365,888 B =
+    # 12 x (n/2 - 9 x 128) in another).
+    norm_elements = 9 * 128
+    assert full["memory_breakdown"]["optimizer_states"]["nvme"] >= 12 * (full["n_params"] // 2 - norm_elements)
 
     # Stop at step 3 (an epoch boundary: 3 batches per epoch), resume from that checkpoint into a fresh swap folder.
     ckpt = ckpt_dir / "step3.ckpt"
