@@ -1,6 +1,7 @@
 """Resume under ZeRO-Infinity's NVMe optimizer offload: restore what DeepSpeed's checkpoint loader leaves out.
 
-Uses DeepSpeed internals (ZeRO-3 optimizer ``_set_fp32_optimizer_param_groups``, the optimizer swapper's
+Uses DeepSpeed internals (ZeRO-3 optimizer ``_set_fp32_optimizer_param_groups``, ``_swappable_optimizer_subgroup``,
+``_reassign_or_swap_out_partitioned_parameters``, ``fp32_partitioned_groups_flat``, the optimizer swapper's
 ``swap_params_info`` and swap-file naming, ``engine._get_zero_ckpt_name``) as of DeepSpeed 0.19; nothing else in the
 package touches them. ``tests/integration/test_strategies_nvme.py`` checks the resumed loss trajectory.
 """
@@ -50,20 +51,57 @@ def restore_nvme_optimizer_state(engine: Any, checkpoint_dir: str) -> None:
         for group, group_saved in zip(inner.param_groups, inner_saved["param_groups"], strict=True):
             group.update({k: v for k, v in group_saved.items() if k != "params"})
             for param, index in zip(group["params"], group_saved["params"], strict=True):
-                info = swapper.swap_params_info[param.ds_id]
                 state = inner.state[param]
                 for key, value in inner_saved["state"].get(index, {}).items():
                     if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.numel() > 0:
+                        # Scalars, and tensors DeepSpeed kept in memory (too small to swap): in the file itself.
                         state[key] = value
                         continue
+                    # An empty placeholder: the tensor was swapped out, its bytes are in the swap file. Parameters
+                    # whose state DeepSpeed kept in memory have no swap entry, so look it up only here.
+                    info = swapper.swap_params_info.get(param.ds_id)
                     path = os.path.join(swapper.swap_folder, f"{key}-{param.ds_id}.tensor.swp")
+                    if info is None or not os.path.isfile(path):
+                        raise RuntimeError(
+                            f"NVMe resume: optimizer state {key!r} of parameter {param.ds_id} was swapped out when "
+                            f"{checkpoint_dir} was saved, but {path} is missing; resume from a checkpoint whose "
+                            "offloaded_tensors folder is complete."
+                        )
                     state[key] = torch.from_file(path, shared=False, size=info.numel(), dtype=info.tensor_dtype)
     finally:
         zero_optimizer._clear_fp32_optimizer_param_groups()
+    _restore_in_memory_masters(zero_optimizer, saved["fp32_flat_groups"])
     rank_zero_info(
         f"NVMe optimizer offload: restored Adam's moments and step ({_steps(inner)}), the param-group settings and "
         f"the loss scale from {checkpoint_dir} (DeepSpeed restores only the fp32 master weights)."
     )
+
+
+def _restore_in_memory_masters(zero_optimizer: Any, saved_flat_groups: list[torch.Tensor]) -> None:
+    """Put back the fp32 master partitions of sub-groups too small to swap, and the weights computed from them.
+
+    A sub-group under DeepSpeed's minimum swap size (e.g. the no-decay group of norm vectors) keeps its fp32 master
+    in memory; DeepSpeed's NVMe load path skips ``_load_zero_checkpoint``, so that master would stay at its fresh
+    initialisation and ``reset_swap_buffers`` would copy it into the half/fp32 working weights. This copies the saved
+    master in, refreshes that sub-group's working partitions from it, and re-gathers the persistent parameters
+    (a collective: every rank runs it).
+    """
+    in_memory = [i for i in range(len(saved_flat_groups)) if not zero_optimizer._swappable_optimizer_subgroup(i)]
+    if not in_memory:
+        return  # every master came back with the swap files
+    # Free the gathered copies of persistent parameters first, so that the gather below reads the new partitions.
+    zero_optimizer.checkpoint_event_prologue()
+    for i in in_memory:
+        saved_flat = saved_flat_groups[i]
+        current = zero_optimizer.fp32_partitioned_groups_flat[i]
+        if saved_flat.numel() != current.numel():
+            raise RuntimeError(
+                f"NVMe resume: in-memory fp32 sub-group {i} has {current.numel()} elements, the checkpoint "
+                f"{saved_flat.numel()}; resume with the same model, world size and sub_group_size."
+            )
+        current.data.copy_(saved_flat.data)
+        zero_optimizer._reassign_or_swap_out_partitioned_parameters(i)
+    zero_optimizer.checkpoint_event_epilogue()
 
 
 def _steps(optimizer: Optimizer) -> str:
