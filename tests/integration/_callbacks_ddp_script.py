@@ -14,10 +14,9 @@ import warnings
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import lightning.pytorch as pl  # noqa: E402
 
 import lightning_trainopt.callbacks as cbs  # noqa: E402
-from tests.helpers.tiny_fit import tiny_data, tiny_module  # noqa: E402
+from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer  # noqa: E402
 
 # On CPU the finder needs a byte budget (it refuses to guess one).
 KWARGS = {"MicroBatchFinder": {"budget_bytes": 200_000_000}}
@@ -46,19 +45,7 @@ def _strategy(name: str) -> object:
 def main(out: str, names: list[str], strategy: str = "ddp") -> None:
     warnings.simplefilter("ignore")
     callbacks = [getattr(cbs, name)(**KWARGS.get(name, {})) for name in names]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=_strategy(strategy),
-        max_steps=4,
-        log_every_n_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
+    trainer = tiny_trainer(callbacks, max_steps=4, devices=2, strategy=_strategy(strategy))
     trainer.fit(tiny_module(), tiny_data())
     summaries = {type(cb).__name__: cb.summary() for cb in callbacks}
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as fh:

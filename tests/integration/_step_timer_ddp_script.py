@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_trainopt.callbacks import StepTimer  # noqa: E402
+from tests.helpers.tiny_fit import tiny_trainer  # noqa: E402
 
 # name -> (width, layers, micro-batch rows, accumulate_grad_batches, DDPStrategy kwargs).
 # "comm": 16 x 1024^2 x 4 B = 64 MiB all-reduced per step for ~0.1 GFLOP of compute, in one bucket (grads as bucket
@@ -113,19 +114,13 @@ def run(setup: str) -> dict[str, Any]:
     timer = CountingTimer(warmup_steps=1, log_every_n_steps=2)
     strategy = UserHookDDP(**ddp_kwargs) if setup == "user_hook" else DDPStrategy(**ddp_kwargs)
     on_gpu = setup.startswith("gpu_")
-    trainer = pl.Trainer(
+    trainer = tiny_trainer(
+        [timer],
+        max_steps=MAX_STEPS,
         accelerator="gpu" if on_gpu else "cpu",
         devices=1 if on_gpu else 2,
         strategy=strategy,
-        max_steps=MAX_STEPS,
         accumulate_grad_batches=accumulate,
-        log_every_n_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[timer],
     )
     trainer.fit(Stack(width, layers), DataLoader(data, batch_size=None))
     return {
