@@ -48,7 +48,9 @@ def _fmt(key: str, value: Any) -> str:
     if (key.endswith("bytes") or key in _BYTE_KEYS) and isinstance(value, (int, float)):
         return format_bytes(value)
     if isinstance(value, float):
-        if value != 0 and abs(value) < 0.01:
+        if abs(value) < 1e-12:
+            return "0"  # rounding residue such as 1 - sum(fractions)
+        if abs(value) < 0.01:
             return f"{value:.3g}"  # learning rates, dollars per token: 6e-05, not 0.0001
         return f"{value:,.4f}" if abs(value) < 100 else f"{value:,.1f}"
     if isinstance(value, int):

@@ -17,7 +17,7 @@ def test_rows_headline_first_then_callback_sections():
         "devices": 2,  # shown through world_size, not twice
         "optimizer": {"name": "DeepSpeedCPUAdam", "lr": 6e-05},
         "memory_breakdown": {"params": {"device": 3 * 2**20, "cpu": 0}, "activations": 2**20},
-        "step_time": {"verdict": "communication-bound", "comm_frac": 0.5512, "remedies": ["a", "b"]},
+        "step_time": {"verdict": "communication-bound", "comm_frac": 0.5512, "other_frac": 1.11e-16, "remedies": ["a"]},
     }
     rows = dict(summary_rows(metrics))
     assert list(rows)[:3] == ["model", "val loss", "tokens/s (all ranks)"]
@@ -26,7 +26,8 @@ def test_rows_headline_first_then_callback_sections():
     assert "devices" not in rows
     assert rows["optimizer"] == "name DeepSpeedCPUAdam, lr 6e-05"  # not rounded to 0.0001
     assert rows["memory_breakdown"] == "params.device 3.00 MiB, params.cpu 0 B, activations 1.00 MiB"
-    assert rows["step_time"] == "verdict communication-bound, comm_frac 0.5512"  # lists stay in metrics.json
+    # Lists stay in metrics.json; float residue prints as 0, not 1.11e-16.
+    assert rows["step_time"] == "verdict communication-bound, comm_frac 0.5512, other_frac 0"
 
 
 def test_print_summary_renders_a_table(tmp_path):
