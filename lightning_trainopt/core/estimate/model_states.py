@@ -167,6 +167,18 @@ def estimate_model_states(
     return _deepspeed(param_groups, numels, n, wb, layout, optimizer, w, rank, accumulate)
 
 
+def _fp32_grad_partition(part: int, n: int, w: int, where: str) -> Term:
+    """DeepSpeed's fp32 gradient partition: built inside ``step()`` on the device, kept for good under offload."""
+    return Term(
+        "grads",
+        where,
+        "fp32 gradient partition (step)",
+        4 * part,
+        f"4 B x {_gb(n)} / {w}",
+        phase="in_step" if where == "device" else "all",
+    )
+
+
 def _params_in_partition_numel(group: Sequence[int], partition: int, rank: int) -> int:
     """Elements of the parameters that intersect ``rank``'s partition, counted whole (``get_partition_info``)."""
     start, end = rank * partition, (rank + 1) * partition
@@ -246,16 +258,7 @@ def _deepspeed(
             # grads); in between, full half gradients accumulate. ZeRO-2 reduces every micro-batch.
             terms.append(Term("grads", "device", f"{8 * h}-bit .grad between boundaries", h * n, f"{h} B x {_gb(n)}"))
         # Built in step() and freed at its end (stage_1_and_2.py), unless offload keeps a pinned CPU buffer.
-        terms.append(
-            Term(
-                "grads",
-                opt_where,
-                "fp32 gradient partition (step)",
-                4 * part,
-                f"4 B x {_gb(n)} / {w}",
-                phase="in_step" if opt_where == "device" else "all",
-            )
-        )
+        terms.append(_fp32_grad_partition(part, n, w, opt_where))
         terms.append(Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}"))
         terms.append(
             Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for(parts, 4), optimizer.formula(4))
@@ -283,16 +286,7 @@ def _deepspeed(
     )
     terms.append(Term("grads", opt_where, f"{8 * h}-bit gradient partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
     if h == 2:
-        terms.append(
-            Term(
-                "grads",
-                opt_where,
-                "fp32 gradient partition (step)",
-                4 * part,
-                f"4 B x {_gb(n)} / {w}",
-                phase="in_step" if opt_where == "device" else "all",
-            )
-        )
+        terms.append(_fp32_grad_partition(part, n, w, opt_where))
     master_copy = h == 2 or layout.offload_optimizer != "none" or layout.offload_params != "none"
     if master_copy:
         terms.append(Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}"))
