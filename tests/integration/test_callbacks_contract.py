@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lightning_trainopt.callbacks as cbs
+from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 
@@ -60,7 +61,7 @@ def test_ddp_groups_cover_every_export():
 
 
 def _run_ddp(tmp_path, names, strategy="ddp"):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = child_env(ROOT)
     script = os.path.join(ROOT, "tests", "integration", "_callbacks_ddp_script.py")
     proc = subprocess.run(
         [sys.executable, script, str(tmp_path), ",".join(names), strategy],

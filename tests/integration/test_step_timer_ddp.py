@@ -12,13 +12,13 @@ comm-heavy comm_frac 0.51-0.60 (backward 0.17-0.25, optimizer 0.05-0.12); comput
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ SCRIPT = ROOT / "tests" / "integration" / "_step_timer_ddp_script.py"
 def _run(out: Path, setups: str) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), setups],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(ROOT),
         cwd=str(out),
         capture_output=True,
         text=True,

@@ -6,13 +6,13 @@ another in one process group, so a comparison over six presets costs one process
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,9 +22,7 @@ BENCH = ROOT / "bench" / "strategies.py"
 def _run(tmp_path, name, *args, timeout=240):
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, str(BENCH), *map(str, args), "--out", str(out)]
-    proc = subprocess.run(
-        cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run(cmd, env=child_env(ROOT), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

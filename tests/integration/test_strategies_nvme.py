@@ -2,13 +2,13 @@
 run stopped at step 3 and resumed continues with the same losses."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def _run(tmp_path: Path, name: str, *args: object) -> tuple[dict, Path]:
         "--precision", "32-true", "--epoch-batches", "3", "--max-steps", "6", *map(str, args), "--out", str(out),
         "--set", f"nvme_path={nvme}", "params_buffer_size=2000000", "max_in_cpu=0",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=child_env(ROOT), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), nvme
 
