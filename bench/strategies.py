@@ -14,8 +14,9 @@ One preset alone (used by the integration tests; writes a JSON report on rank 0)
     python bench/strategies.py --single zero3 --devices 2 --out /tmp/r.json
 
 Several presets one after another in the same process group (one launch, one process start-up; the JSON then maps
-each preset to its report; ``--save-to DIR`` saves each preset's checkpoint under ``DIR/PRESET``; ``--ckpt-dir`` and
-``--resume`` take a ``{preset}`` placeholder)::
+each preset to its report; ``--save-to DIR`` saves each preset's checkpoint under ``DIR/PRESET`` and
+``--drop-checkpoints`` deletes it once its size is measured; ``--ckpt-dir`` and ``--resume`` take a ``{preset}``
+placeholder)::
 
     python bench/strategies.py --single ddp zero1 zero2 --devices 2 --precision 32-true --out /tmp/r.json
     python bench/strategies.py --single ddp zero3 --devices 2 --ckpt-dir 'ck/{preset}' --epoch-batches 3 --out a.json
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -200,6 +202,13 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
         trainer.save_checkpoint(save_to)
         trainer.strategy.barrier()
         ckpt_bytes = _dir_bytes(save_to)
+        if args.drop_checkpoints:
+            # Measured; a ~1B model's checkpoint is ~15 GB, so several presets would fill a GPU machine's disk.
+            trainer.strategy.barrier()
+            if trainer.is_global_zero and os.path.isdir(save_to):
+                shutil.rmtree(save_to)
+            elif trainer.is_global_zero:
+                os.remove(save_to)
     if not trainer.is_global_zero:
         return None
     steady = losses.times[2:] or losses.times
@@ -242,8 +251,10 @@ def _launch(presets: list[str], devices: int, args: argparse.Namespace, tmp: Pat
         str(args.max_steps),
         "--save-to",
         str(tmp / f"ckpt_{devices}" / presets[0] if len(presets) == 1 else tmp / f"ckpt_{devices}"),
+        "--drop-checkpoints",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Put the repository first on PYTHONPATH, keeping what is there (a bare GPU image gets Hydra/DeepSpeed that way).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
@@ -275,6 +286,7 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--resume")
     parser.add_argument("--save-to")
+    parser.add_argument("--drop-checkpoints", action="store_true", help="delete each --save-to checkpoint once sized")
     parser.add_argument("--set", nargs="*", help="strategy overrides key=value")
     parser.add_argument("--out", default="strategies.json")
     parser.add_argument("--timeout", type=int, default=900)
