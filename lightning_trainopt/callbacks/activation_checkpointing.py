@@ -72,6 +72,11 @@ class ActivationCheckpointing(Callback):
         )
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning does not call Callback.teardown when fit raises (trainer/call.py), so clean up here too.
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.plan is not None:
             remove_activation_checkpointing(pl_module, self.plan.wrapped)

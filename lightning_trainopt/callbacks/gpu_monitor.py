@@ -252,6 +252,11 @@ class GPUMonitor(Callback):
             self._sampler = None
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning does not call Callback.teardown when fit raises (trainer/call.py), so clean up here too.
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._sampler is not None:  # an exception ended fit before on_train_end
             self._sampler.stop()

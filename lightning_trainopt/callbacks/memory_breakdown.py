@@ -131,6 +131,11 @@ class MemoryBreakdown(Callback):
         rank_zero_info(f"MemoryBreakdown step {step}: " + ", ".join(f"{k} {v:.3f} GiB" for k, v in gib.items()))
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning does not call Callback.teardown when fit raises (trainer/call.py), so clean up here too.
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._counter is not None:
             self._counter.stop()

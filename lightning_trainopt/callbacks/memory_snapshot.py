@@ -123,8 +123,14 @@ class MemorySnapshot(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not (self.enabled and self._recording and isinstance(exception, torch.cuda.OutOfMemoryError)):
-            return
+        try:
+            if self.enabled and self._recording and isinstance(exception, torch.cuda.OutOfMemoryError):
+                self._write_oom(trainer, pl_module)
+        finally:
+            # Lightning does not call Callback.teardown when fit raises, so recording would otherwise stay on.
+            self._stop()
+
+    def _write_oom(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank = trainer.global_rank
         folder = self._dir(trainer)
         path = os.path.join(folder, f"oom_rank{rank}.pickle")

@@ -148,6 +148,11 @@ class StepTimer(Callback):
         self._mark("grads_ready")
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning does not call Callback.teardown when fit raises (trainer/call.py), so clean up here too.
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._probe is not None:
             self._probe.detach()
