@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.precision.plugins import FP16_FSDP2_FIX, FP16_FSDP2_REASON
 
 __all__ = [
     "PreflightInput",
@@ -177,6 +178,13 @@ RULES: tuple[Rule, ...] = (
         "use a constant trainer.accumulate_grad_batches, or ddp/fsdp with the scheduler.",
         lambda p: p.is_deepspeed and any(t.endswith("GradientAccumulationScheduler") for t in p.callback_targets),
         lambda p: {"callbacks": "GradientAccumulationScheduler", "strategy": p.preset},
+    ),
+    Rule(
+        "fp16 AMP + FSDP2",
+        FP16_FSDP2_REASON,
+        FP16_FSDP2_FIX,
+        lambda p: p.precision == "16-mixed" and p.target in _FSDP2_TARGETS,
+        lambda p: {"precision": p.precision, "strategy": p.preset},
     ),
     Rule(
         "fp16 on CPU",

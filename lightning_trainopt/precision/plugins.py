@@ -4,29 +4,55 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 
+from lightning_trainopt.exceptions import IncompatibleConfigError
 from lightning_trainopt.precision.spec import PrecisionSpec
 
-__all__ = ["trainer_precision_kwargs"]
+__all__ = ["FP16_FSDP2_FIX", "FP16_FSDP2_REASON", "trainer_precision_kwargs"]
+
+FP16_FSDP2_REASON = (
+    "Lightning's ModelParallelStrategy (FSDP2) supports 32-true, bf16-mixed, bf16-true and 16-true only: fp16 AMP "
+    "needs a loss scaler that agrees across ranks on skipping a step, and a plain GradScaler checks only the local "
+    "gradient shards, so ranks would skip different steps and their shards would drift apart."
+)
+FP16_FSDP2_FIX = "use precision=bf16 with +strategy=fsdp, or fp16 with a DeepSpeed preset (its loss scaler is global)."
 
 
 def trainer_precision_kwargs(spec: PrecisionSpec, strategy: Strategy | str) -> dict[str, Any]:
     """``{"precision": ...}`` or, for fp16 with custom loss scaling outside DeepSpeed, ``{"plugins": [...]}``.
 
-    DeepSpeed runs its own loss scaler (configured by the strategy builder from the same knobs), so it only
-    needs the precision string.
+    DeepSpeed runs its own loss scaler (configured by the strategy builder from the same knobs), so it only needs
+    the precision string. FSDP1 gets ``FSDPPrecision`` with a ``ShardedGradScaler`` (the one that all-reduces the
+    inf check across ranks), any other strategy a ``MixedPrecision`` with a ``GradScaler``.
+
+    Raises:
+        IncompatibleConfigError: fp16 AMP with FSDP2 (``ModelParallelStrategy``), which Lightning itself refuses for
+            the precision string; passing a plugin would slip past that check.
     """
+    if spec.trainer_precision == "16-mixed" and isinstance(strategy, ModelParallelStrategy):
+        raise IncompatibleConfigError(
+            {"precision": spec.name, "strategy": type(strategy).__name__}, FP16_FSDP2_REASON, FP16_FSDP2_FIX
+        )
     custom_scaler = spec.init_scale is not None or spec.growth_interval is not None
     if spec.trainer_precision != "16-mixed" or not custom_scaler or isinstance(strategy, DeepSpeedStrategy):
         return {"precision": spec.trainer_precision}
-    import torch
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     scaler_kwargs: dict[str, Any] = {}
     if spec.init_scale is not None:
         scaler_kwargs["init_scale"] = spec.init_scale
     if spec.growth_interval is not None:
         scaler_kwargs["growth_interval"] = spec.growth_interval
+    if isinstance(strategy, FSDPStrategy):
+        from lightning.pytorch.plugins.precision import FSDPPrecision
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # FSDPPrecision("16-mixed", scaler=...) raises in Lightning 2.6: its check reads self.precision before
+        # setting it (still the class default "32-true"), so the scaler is swapped in after construction.
+        plugin = FSDPPrecision("16-mixed")
+        plugin.scaler = ShardedGradScaler("cuda", **scaler_kwargs)
+        return {"plugins": [plugin]}
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
     scaler = torch.amp.GradScaler("cuda", **scaler_kwargs)
     return {"plugins": [MixedPrecision("16-mixed", "cuda", scaler=scaler)]}

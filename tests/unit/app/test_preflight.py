@@ -107,6 +107,24 @@ def test_fp16_on_gpu_allowed():
     preflight(PreflightInput(strategy=preset("zero2"), precision="16-mixed", accelerator="gpu"))
 
 
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_offload"])
+def test_fp16_amp_with_fsdp2_refused_on_gpu(name):
+    with pytest.raises(IncompatibleConfigError, match="ModelParallelStrategy") as err:
+        preflight(PreflightInput(strategy=preset(name), precision="16-mixed", accelerator="gpu"))
+    assert err.value.keys == {"precision": "16-mixed", "strategy": name}
+    preflight(PreflightInput(strategy=preset(name), precision="bf16-mixed", accelerator="gpu"))
+
+
+def test_fp16_fsdp2_refusal_matches_lightning_behaviour():
+    # Lightning refuses the precision string itself; the rule also covers the plugin path (custom loss scaler).
+    import lightning.pytorch as pl
+
+    from lightning_trainopt.strategies import TrainOptFSDPStrategy
+
+    with pytest.raises(ValueError, match="ModelParallelStrategy` does not support"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=TrainOptFSDPStrategy(), precision="16-mixed", logger=False)
+
+
 def test_nvme_without_async_io_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(pf, "_async_io_ok", lambda: False)
     strategy = {**preset("zero_infinity"), "nvme_path": str(tmp_path)}
