@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -179,11 +180,30 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall, train_loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2, default=str))
+        (run_dir / METRICS_FILE).write_text(metrics_json(metrics))
         print_summary(metrics, run_dir / METRICS_FILE)
     _teardown_distributed()
     restore_env(env)
     return metrics
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def metrics_json(metrics: dict[str, Any]) -> str:
+    """``metrics.json`` text: strict JSON, so NaN/Infinity (a diverged loss, a non-finite norm) become ``null``.
+
+    ``json.dumps`` would write the bare tokens ``NaN``/``Infinity``, which strict parsers (``jq``, JavaScript,
+    most dashboards) reject.
+    """
+    return json.dumps(_finite(metrics), indent=2, default=str, allow_nan=False)
 
 
 def _collect_metrics(
