@@ -112,9 +112,29 @@ class LitGPT(pl.LightningModule):
         return [g for g in groups if g["params"]]
 
     @override
+    def _fused_kwargs(self) -> dict[str, Any]:
+        """The fused kernel for the ``adamw`` preset on CUDA, where it is safe (see ``fused_adam_kwargs``)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        from lightning_trainopt.techniques.optimizers import fused_adam_kwargs
+
+        trainer = self._trainer
+        if trainer is None:
+            return {}
+        return fused_adam_kwargs(
+            self.optimizer_factory,
+            self.parameters(),
+            precision=str(trainer.precision),
+            gradient_clip_val=trainer.gradient_clip_val,
+            deepspeed=isinstance(trainer.strategy, DeepSpeedStrategy),
+        )
+
     def configure_optimizers(self) -> Any:
         params = self.param_groups()
-        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=3e-4)
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(params, lr=3e-4)
+        else:
+            optimizer = self.optimizer_factory(params, **self._fused_kwargs())
         if self.scheduler_factory is None:
             return optimizer
         total = int(self.trainer.estimated_stepping_batches)

@@ -26,6 +26,7 @@ __all__ = [
     "bnb_adamw8bit",
     "bnb_lion8bit",
     "bnb_paged_adamw8bit",
+    "fused_adam_kwargs",
     "torchao_adamw4bit",
     "torchao_adamw8bit",
     "torchao_optimizer",
@@ -71,6 +72,29 @@ def adamw(
         raise ConfigError("optimizer.fused", fused, "the fused AdamW kernel needs CUDA parameters; use fused=null.")
     b1, b2 = betas
     return torch.optim.AdamW(groups, lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+def fused_adam_kwargs(
+    factory: Any, params: Iterable[torch.Tensor], precision: str, gradient_clip_val: float | None, deepspeed: bool
+) -> dict[str, Any]:
+    """``{"fused": True}`` when a torch Adam/AdamW factory may take the fused CUDA kernel, else ``{}``.
+
+    The fused kernel updates every parameter in one launch per step instead of a few per tensor. It is chosen
+    only where it is safe: a Hydra partial of ``torch.optim.Adam``/``AdamW`` that sets neither ``fused`` nor
+    ``foreach``, every parameter a floating-point CUDA tensor, not under DeepSpeed (which runs its own optimizer
+    step on flat partitions), and not fp16 AMP with gradient clipping: a fused optimizer unscales inside its step,
+    so Lightning refuses to clip its gradients ("does not allow for gradient clipping").
+    """
+    func = getattr(factory, "func", None)
+    keywords = getattr(factory, "keywords", {}) or {}
+    if func not in (torch.optim.Adam, torch.optim.AdamW) or "fused" in keywords or "foreach" in keywords:
+        return {}
+    if deepspeed or (precision == "16-mixed" and gradient_clip_val):
+        return {}
+    tensors = list(params)
+    if not tensors or not all(t.is_cuda and t.is_floating_point() for t in tensors):
+        return {}
+    return {"fused": True}
 
 
 def _import(module: str, extra: str, feature: str) -> Any:

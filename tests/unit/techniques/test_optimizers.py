@@ -105,3 +105,52 @@ def test_torchao_builds_low_bit_adamw() -> None:
     opt = torchao_optimizer(model.parameters(), name="AdamW4bit", lr=1e-3, betas=[0.9, 0.95], block_size=128)
     assert type(opt).__name__ == "AdamW4bit"
     assert opt.defaults["lr"] == 1e-3
+
+
+class _FakeParam:
+    """Stands in for a CUDA parameter in the pure decision (no GPU needed)."""
+
+    def __init__(self, cuda: bool = True, floating: bool = True) -> None:
+        self.is_cuda = cuda
+        self._floating = floating
+
+    def is_floating_point(self) -> bool:
+        return self._floating
+
+
+def test_fused_kernel_chosen_only_where_safe() -> None:
+    from functools import partial
+
+    from lightning_trainopt.techniques.optimizers import fused_adam_kwargs
+
+    preset = partial(torch.optim.AdamW, lr=1e-3)
+    cuda = [_FakeParam(), _FakeParam()]
+
+    def choose(factory=preset, params=cuda, precision="bf16-mixed", clip=1.0, deepspeed=False):
+        return fused_adam_kwargs(factory, params, precision, clip, deepspeed)
+
+    assert choose() == {"fused": True}
+    assert choose(factory=partial(torch.optim.Adam)) == {"fused": True}
+    assert choose(precision="16-mixed", clip=None) == {"fused": True}
+    assert choose(precision="16-mixed", clip=1.0) == {}  # Lightning refuses clipping for a fused optimizer
+    assert choose(deepspeed=True) == {}
+    assert choose(params=[_FakeParam(), _FakeParam(cuda=False)]) == {}
+    assert choose(params=[_FakeParam(floating=False)]) == {}
+    assert choose(params=[]) == {}
+    assert choose(factory=partial(torch.optim.AdamW, fused=False)) == {}  # the user's choice wins
+    assert choose(factory=partial(torch.optim.AdamW, foreach=True)) == {}
+    assert choose(factory=partial(torch.optim.SGD, lr=0.1)) == {}
+    assert choose(factory=adamw) == {}  # our own factory decides for itself
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize(("precision", "clip", "fused"), [("bf16-mixed", 1.0, True), ("16-mixed", 1.0, False)])
+def test_adamw_preset_is_fused_on_cuda_where_lightning_allows_it(precision, clip, fused) -> None:
+    from functools import partial
+
+    from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
+
+    module = tiny_module(optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    trainer = tiny_trainer([], max_steps=2, accelerator="gpu", precision=precision, gradient_clip_val=clip)
+    trainer.fit(module, tiny_data())
+    assert bool(trainer.optimizers[0].defaults["fused"]) is fused
