@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,29 @@ def _search_space(cfg: DictConfig, world_size: int) -> SearchSpace:
     return SearchSpace(precisions, strategies, activations, optimizers, tuple(int(b) for b in space["micro_batch"]))
 
 
+def _adam_foreach_path(cfg: DictConfig, on_cuda: bool) -> Callable[[str], bool]:
+    """``trainer_precision -> bool``: does torch Adam/AdamW take its multi-tensor (foreach) path?
+
+    That path's ``_foreach_sqrt`` makes a temporary as large as the second moments. On CUDA, LitGPT gives the
+    ``adamw`` preset the fused kernel (no temporary) except for fp16 AMP with gradient clipping
+    (``techniques.optimizers.fused_adam_kwargs``); an optimizer node that sets ``fused``/``foreach`` decides itself.
+    """
+    opt = cfg.get("optimizer") or {}
+    fused, foreach = opt.get("fused"), opt.get("foreach")
+    clip = bool((cfg.get("trainer") or {}).get("gradient_clip_val"))
+
+    def takes_foreach(trainer_precision: str) -> bool:
+        if not on_cuda or fused is True:
+            return False
+        if foreach is not None:
+            return bool(foreach)
+        if fused is False:
+            return True  # torch's CUDA default
+        return trainer_precision == "16-mixed" and clip
+
+    return takes_foreach
+
+
 def plan(cfg: DictConfig) -> PlanResult:
     """Estimate a composed ``plan.py`` / ``train.py`` config (no Trainer, no device, no memory allocated).
 
@@ -231,7 +255,9 @@ def plan(cfg: DictConfig) -> PlanResult:
     plan_cfg = cfg.get("plan") or OmegaConf.create({})
     hardware = hardware_from_cfg(cfg.get("hardware"))
     choices = _choices(cfg)
-    inputs = replace(build_plan_inputs(cfg, choices.get("activations", "none")), foreach=hardware.name != "cpu")
+    foreach = _adam_foreach_path(cfg, on_cuda=hardware.name != "cpu")
+    base = build_plan_inputs(cfg, choices.get("activations", "none"))
+    inputs = replace(base, foreach=foreach(base.trainer_precision))
     mfu = float(plan_cfg.get("mfu", 0.4))
     target = float(plan_cfg.get("target_tokens", 1e9))
     measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs.world_size)
@@ -246,7 +272,7 @@ def plan(cfg: DictConfig) -> PlanResult:
     textbook = {s: textbook_model_state_bytes(n, s) for s in ("fp32", "mixed")}
     if not plan_cfg.get("search", False):
         return PlanResult(est, hardware, choices, _command(cfg, choices, inputs), textbook=textbook)
-    ranked, n_enum = search_plans(inputs, _search_space(cfg, inputs.world_size), run)
+    ranked, n_enum = search_plans(inputs, _search_space(cfg, inputs.world_size), run, foreach)
     cmd = ""
     if ranked:
         win = ranked[0]

@@ -109,6 +109,7 @@ def search_plans(
     base: PlanInputs,
     space: SearchSpace,
     estimate: Callable[[PlanInputs], PlanEstimate],
+    foreach_for: Callable[[str], bool] | None = None,
 ) -> tuple[list[Candidate], int]:
     """Enumerate the space around ``base`` (model, devices, sequence length and global batch kept).
 
@@ -116,6 +117,8 @@ def search_plans(
         base: the user's configuration.
         space: the options.
         estimate: ``inputs -> PlanEstimate`` with the hardware bound in.
+        foreach_for: ``trainer_precision -> bool``, whether torch Adam takes its foreach path for a candidate's
+            precision (fp16 with clipping cannot use the fused kernel); ``None`` keeps ``base.foreach``.
 
     Returns:
         (fitting candidates ranked best first, number enumerated).
@@ -146,6 +149,7 @@ def search_plans(
             optimizer=opt,
             micro_batch=mb,
             accumulate=global_seqs // (mb * base.world_size),
+            foreach=foreach_for(prec) if foreach_for else base.foreach,
         )
         out.append(Candidate({"precision": pn, "strategy": sn, "activations": an, "optimizer": on}, estimate(inputs)))
     return rank_candidates(out), n

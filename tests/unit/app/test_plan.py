@@ -107,3 +107,21 @@ def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, error, 
     base = [o for o in DONE if not o.startswith("+strategy")] if any("+strategy" in o for o in overrides) else DONE
     with pytest.raises(error, match=key):
         plan_task(compose_config([*base, *overrides], tmp_path, name="plan"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "temporary"),
+    [
+        (["precision=bf16"], False),  # LitGPT gives the adamw preset the fused kernel on CUDA
+        (["precision=fp16", "trainer.gradient_clip_val=1.0"], True),  # Lightning cannot clip a fused optimizer
+        (["precision=fp16", "trainer.gradient_clip_val=0"], False),
+        (["precision=bf16", "+optimizer.fused=false"], True),  # torch's CUDA default: foreach
+        (["precision=bf16", "+optimizer.foreach=true"], True),
+        (["precision=bf16", "hardware=cpu"], False),  # CPU: per-tensor loop, no full-size temporary
+    ],
+)
+def test_adam_sqrt_temporary_follows_the_optimizer_path_train_py_takes(tmp_path, overrides, temporary):
+    base = ["model=gpt_125m", "hardware=a100_80gb", "trainer.devices=1", "data.batch_size=1"]
+    result = plan(compose_config(base + overrides, tmp_path, name="plan"))
+    labels = [t.label for t in result.estimate.memory.terms]
+    assert ("foreach Adam sqrt temporary" in labels) is temporary
