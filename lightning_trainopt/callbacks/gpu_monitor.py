@@ -190,10 +190,12 @@ class GPUMonitor(Callback):
                 return
             from lightning_trainopt.core._torch_private import nvml_device_index
 
-            indices = sorted({nvml_device_index(i) for i in (trainer.device_ids or [0])})
             try:
+                # torch maps CUDA ordinals to NVML indices through CUDA_VISIBLE_DEVICES, which it cannot always
+                # resolve (MIG instance UUIDs): a monitor that cannot start switches off, never the run.
+                indices = sorted({nvml_device_index(i) for i in (trainer.device_ids or [0])})
                 self._reader = nvml_reader(indices)
-            except pynvml.NVMLError as err:
+            except (pynvml.NVMLError, RuntimeError, ValueError) as err:
                 self.enabled = False
                 warn_off("GPUMonitor", f"NVML cannot start ({type(err).__name__}: {err}).")
                 return

@@ -12,6 +12,7 @@ import pytest
 from lightning_trainopt.app.train import train
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 from tests.helpers.runif import RunIf
+from tests.helpers.scaler_probe import SEEN
 
 # The documented metrics.json schema (README "metrics.json"): key -> accepted types.
 SCHEMA = {
@@ -112,9 +113,11 @@ def test_fp16_fit_on_gpu_uses_the_configured_loss_scaler(tmp_path):
         "trainer.accelerator=gpu",
         "data=synthetic",
         "callbacks=none",
+        "+callbacks.probe._target_=tests.helpers.scaler_probe.ScalerProbe",
     ]
     metrics = train(compose_config(overrides, tmp_path))
     assert metrics["trainer_precision"] == "16-mixed"
+    assert SEEN == {"plugin": "MixedPrecision", "init_scale": 1024.0, "growth_interval": 7, "enabled": True}
     assert math.isfinite(metrics["train_loss"])
 
 

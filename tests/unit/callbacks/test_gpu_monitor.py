@@ -69,3 +69,23 @@ def test_reads_nvml_on_a_gpu():
     assert total[0] > 1.0
     assert all(0.0 <= u <= 100.0 for u in logger.values("gpu0/util_pct"))
     assert logger.values("gpu0/sm_clock_mhz")[0] > 0
+
+
+def test_unresolvable_device_index_switches_the_monitor_off(monkeypatch):
+    # CUDA_VISIBLE_DEVICES with MIG instance UUIDs: torch cannot map the ordinal to an NVML index and raises.
+    pytest.importorskip("pynvml")
+    from types import SimpleNamespace
+
+    from lightning_trainopt.core import _torch_private
+
+    def unresolvable(ordinal):
+        raise RuntimeError("device 0 is not visible (CUDA_VISIBLE_DEVICES=MIG-...)")
+
+    monkeypatch.setattr(_torch_private, "nvml_device_index", unresolvable)
+    trainer = SimpleNamespace(
+        is_global_zero=True, device_ids=[0], strategy=SimpleNamespace(root_device=torch.device("cuda", 0))
+    )
+    monitor = GPUMonitor()
+    with pytest.warns(UserWarning, match="GPUMonitor is off: NVML cannot start"):
+        monitor.setup(trainer, None, "fit")
+    assert monitor.enabled is False
