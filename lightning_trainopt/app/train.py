@@ -138,11 +138,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     clock = RunClock()
     # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
+    # The activation techniques come before the other callbacks: hooks run in list order, so checkpointing is
+    # applied (on_fit_start) before a MicroBatchFinder or a MemoryBreakdown measures activation memory.
     callbacks = [
         clock,
         StrategyReport(),
-        *_instantiate_named(cfg.get("callbacks")),
         *_instantiate_named(cfg.get("activations")),
+        *_instantiate_named(cfg.get("callbacks")),
     ]
     loggers = _instantiate_named(cfg.get("logger"))
     strategy = _build_strategy(cfg, precision, cfg.data.batch_size)
@@ -220,6 +222,8 @@ def _collect_metrics(
     cb = trainer.callback_metrics
     world = trainer.world_size
     tokens_this_run = clock.local_tokens * world
+    # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
+    micro = int(getattr(trainer.datamodule, "batch_size", None) or cfg.data.batch_size)
     metrics: dict[str, Any] = {
         "status": status,
         "model": cfg.model.name,
@@ -230,18 +234,14 @@ def _collect_metrics(
         "world_size": world,
         "devices": trainer.num_devices,
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
-        "micro_batch_size": cfg.data.batch_size,
+        "micro_batch_size": micro,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "global_batch_size": cfg.data.batch_size * trainer.accumulate_grad_batches * world,
+        "global_batch_size": micro * trainer.accumulate_grad_batches * world,
         "seq_len": cfg.data.seq_len,
         "global_step": trainer.global_step,
         "train_loss": float(train_loss) if train_loss is not None else None,
         "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
-        "tokens_seen": trainer.global_step
-        * trainer.accumulate_grad_batches
-        * cfg.data.batch_size
-        * cfg.data.seq_len
-        * world,
+        "tokens_seen": trainer.global_step * trainer.accumulate_grad_batches * micro * cfg.data.seq_len * world,
         "tokens_this_run": tokens_this_run,
         "tokens_per_sec": tokens_this_run / clock.train_seconds if clock.train_seconds > 0 else None,
         "train_seconds": clock.train_seconds,

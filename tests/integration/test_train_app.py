@@ -139,3 +139,21 @@ def test_documented_zero3_command_runs_stage_3(tmp_path):
     assert metrics["strategy"] == "zero3"
     assert metrics["zero_stage"] == 3  # as reported by the DeepSpeed engine itself
     assert metrics["precision"] == "bf16"
+
+
+def test_metrics_report_the_batch_a_micro_batch_finder_chose(tmp_path):
+    # The finder lowers data.batch_size and raises accumulation; metrics.json must describe what was trained.
+    base = [*TINY, "data.batch_size=8", "trainer.max_steps=2", "data=synthetic", "callbacks=none"]
+    finder = "+callbacks.micro_batch_finder._target_=lightning_trainopt.callbacks.MicroBatchFinder"
+    roomy = train(compose_config([*base, finder, "+callbacks.micro_batch_finder.budget_bytes=1e12"], tmp_path / "a"))
+    plan = roomy["micro_batch_finder"]
+    assert plan["micro_batch"] == 8
+    budget = plan["fixed_bytes"] + int(2.5 * plan["per_sample_bytes"])  # room for 2 samples, not 4
+    metrics = train(
+        compose_config([*base, finder, f"+callbacks.micro_batch_finder.budget_bytes={budget}"], tmp_path / "b")
+    )
+    assert metrics["micro_batch_finder"]["micro_batch"] == 2
+    assert metrics["micro_batch_size"] == 2
+    assert metrics["accumulate_grad_batches"] == 4
+    assert metrics["global_batch_size"] == 8
+    assert metrics["tokens_seen"] == 2 * 8 * 32 == metrics["tokens_this_run"]
