@@ -178,13 +178,17 @@ HARDWARE: dict[str, HardwareSpec] = {
 _ALIASES = {"h100": "h100_sxm", "a100": "a100_80gb", "a10": "a10g"}
 
 # (regex on the lowercased CUDA device name, preset); first match wins, so specific patterns come first.
-_DEVICE_PATTERNS: tuple[tuple[str, str], ...] = (
+# NVL cards (H100 NVL, H200 NVL) run at a lower power limit than the SXM parts, so their dense peaks are not in this
+# table: they map to no preset (MFU then needs hardware.peak_tflops) rather than to an SXM peak ~18% too high.
+# H800 / A800 are the export variants of H100 / A100 with the same compute (only NVLink bandwidth is cut).
+_DEVICE_PATTERNS: tuple[tuple[str, str | None], ...] = (
+    (r"\bnvl\b", None),
     (r"h200", "h200"),
     (r"b200", "b200"),
-    (r"h100.*pcie", "h100_pcie"),
-    (r"h100", "h100_sxm"),
-    (r"a100.*(80|sxm4-80)", "a100_80gb"),
-    (r"a100", "a100_40gb"),
+    (r"h[18]00.*pcie", "h100_pcie"),
+    (r"h[18]00", "h100_sxm"),
+    (r"a[18]00.*(80|sxm4-80)", "a100_80gb"),
+    (r"a[18]00", "a100_40gb"),
     (r"l40s", "l40s"),
     (r"\bl4\b", "l4"),
     (r"a10g?\b", "a10g"),
@@ -196,6 +200,8 @@ def preset_for_device_name(device_name: str, total_memory_bytes: int | None = No
     lowered = device_name.lower()
     for pattern, key in _DEVICE_PATTERNS:
         if re.search(pattern, lowered):
+            if key is None:
+                return None
             # A100 names do not always carry the size; the memory decides.
             if key == "a100_40gb" and total_memory_bytes is not None and total_memory_bytes > 50 * _GIB:
                 return "a100_80gb"

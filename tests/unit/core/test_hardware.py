@@ -66,6 +66,11 @@ def test_bad_input_names_the_key(kwargs, key):
         ("NVIDIA L40S", None, "l40s"),
         ("NVIDIA L4", None, "l4"),
         ("NVIDIA A10G", None, "a10g"),
+        ("NVIDIA H800", None, "h100_sxm"),
+        ("NVIDIA H800 PCIe", None, "h100_pcie"),
+        ("NVIDIA A800-SXM4-80GB", None, "a100_80gb"),
+        ("NVIDIA H100 NVL", None, None),  # lower power limit than SXM: no preset rather than a wrong peak
+        ("NVIDIA H200 NVL", None, None),
         ("Tesla T4", None, None),
     ],
 )
