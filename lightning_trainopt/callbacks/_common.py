@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_trainopt.core.throughput import BatchSize, batch_size_of
 
 Clock = Callable[[], float]
 
@@ -31,6 +34,140 @@ def check_log_every(key: str, value: int | None) -> None:
         from lightning_trainopt.exceptions import ConfigError
 
         raise ConfigError(key, value, "use a positive integer (optimizer steps), or null for the Trainer's.")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _not_a_string(value: Any) -> str:
+    return " (a number, not a string)" if isinstance(value, str) else ""
+
+
+def check_number(
+    key: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> float | None:
+    """``value`` as a float if it is ``None`` or a number in ``[low, high]`` (``(low, high]`` with ``low_open``).
+
+    Raises:
+        ConfigError: anything else (a string such as ``"312"``, a bool, a number out of range), naming ``key``.
+    """
+    if value is None:
+        return None
+    ok = _is_number(value) and value == value  # NaN is out of every range
+    ok = ok and (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
+    if not ok:
+        from lightning_trainopt.exceptions import ConfigError
+
+        bounds = []
+        if low is not None:
+            bounds.append(f"{'>' if low_open else '>='} {low:g}")
+        if high is not None:
+            bounds.append(f"<= {high:g}")
+        rng = f" {' and '.join(bounds)}" if bounds else ""
+        raise ConfigError(key, value, f"use a number{rng}{_not_a_string(value)}.")
+    return float(value)
+
+
+def check_whole(key: str, value: Any, minimum: int = 1) -> int | None:
+    """``value`` as an int if it is ``None`` or a whole number ``>= minimum``; whole floats count (Hydra reads ``1e9``
+    as a float).
+
+    Raises:
+        ConfigError: a fraction, a string, a bool or a number below ``minimum``, naming ``key``.
+    """
+    if value is None:
+        return None
+    whole = _is_number(value) and (isinstance(value, int) or float(value).is_integer())
+    if not whole or value < minimum:
+        from lightning_trainopt.exceptions import ConfigError
+
+        raise ConfigError(key, value, f"use a whole number >= {minimum}, e.g. 1e9 or 1000000000{_not_a_string(value)}.")
+    return int(value)
+
+
+def check_callable(key: str, value: Any) -> None:
+    """Refuse a ``*_fn`` argument that is neither ``None`` nor callable."""
+    if value is not None and not callable(value):
+        from lightning_trainopt.exceptions import ConfigError
+
+        raise ConfigError(key, value, "use a function of the batch (or null for the default).")
+
+
+def check_hardware(key: str, value: Any) -> None:
+    """Refuse a ``hardware`` argument that is not ``None``, ``auto``, a preset name or a ``HardwareSpec``.
+
+    Preset names are resolved now (no device is queried), so a typo fails before training, not at ``setup``.
+    """
+    from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
+    from lightning_trainopt.exceptions import ConfigError
+
+    if value is None or value == "auto" or isinstance(value, HardwareSpec):
+        return
+    if not isinstance(value, str):
+        raise ConfigError(key, value, "use a preset name (conf/hardware), auto, or a HardwareSpec (hardware_spec()).")
+    try:
+        hardware_spec(value)
+    except ConfigError as err:
+        raise ConfigError(key, value, err.fix) from err
+
+
+@dataclass(frozen=True)
+class BatchCount:
+    """What a monitor counted in one micro-batch: ``samples``/``tokens`` (``None``: unknown), and ``shape``, the
+    batch's tensor shape (``None``: no tensor to read) for FLOPs."""
+
+    samples: int | None
+    tokens: int | torch.Tensor | None
+    shape: BatchSize | None
+
+
+class BatchSizer:
+    """Samples and tokens of each micro-batch: the user's ``samples_fn``/``tokens_fn`` where given, else the shapes
+    (:func:`~lightning_trainopt.core.throughput.batch_size_of`). A batch it cannot size gives ``None`` counts and one
+    warning for the whole run, naming the arguments that fix it; it never raises for the batch's type.
+
+    Args:
+        owner: the callback's name, for the warning.
+        samples_fn: ``batch -> int`` or ``None``.
+        tokens_fn: ``batch -> int | Tensor`` or ``None``.
+        consequence: what the owner leaves out when a count is unknown (for the warning).
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        samples_fn: Callable[[Any], Any] | None,
+        tokens_fn: Callable[[Any], Any] | None,
+        consequence: str,
+    ) -> None:
+        self.owner = owner
+        self.samples_fn = samples_fn
+        self.tokens_fn = tokens_fn
+        self.consequence = consequence
+        self.warned = False
+
+    def __call__(self, batch: Any) -> BatchCount:
+        try:
+            shape: BatchSize | None = batch_size_of(batch, mask_tokens=self.tokens_fn is None)
+        except TypeError:  # no tensor in the batch: the user functions may still size it
+            shape = None
+        samples = int(self.samples_fn(batch)) if self.samples_fn else (shape.samples if shape else None)
+        tokens = self.tokens_fn(batch) if self.tokens_fn else (shape.tokens if shape else None)
+        if (samples is None or tokens is None) and not self.warned:
+            self.warned = True
+            missing = [n for n, v in (("samples_fn", samples), ("tokens_fn", tokens)) if v is None]
+            rank_zero_warn(
+                f"{self.owner}: cannot size a batch of type {type(batch).__name__} (no tensor of shape (B, T, ...) "
+                f"in it); {self.consequence}. "
+                f"Pass {' and '.join(f'{n}=batch -> int' for n in missing)} to {self.owner} to count it.",
+                category=UserWarning,
+            )
+        return BatchCount(samples, tokens if tokens is None or isinstance(tokens, torch.Tensor) else int(tokens), shape)
 
 
 def log_interval(trainer: pl.Trainer, own: int | None) -> int:

@@ -8,25 +8,38 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import (
+    BatchSizer,
     Clock,
     StepEdge,
+    check_callable,
+    check_hardware,
     check_log_every,
+    check_number,
     default_clock,
     json_safe,
     log_interval,
     log_metrics,
 )
-from lightning_trainopt.core.flops import count_flops, transformer_flops
+from lightning_trainopt.core.flops import SeqFlops, fit_seq_flops, transformer_flops
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
-from lightning_trainopt.core.throughput import batch_size_of, throughput
+from lightning_trainopt.core.throughput import BatchSize, throughput
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
 
 __all__ = ["SpeedMonitor"]
+
+_KEY = "callbacks.speed_monitor"
+#: ``flops_source`` values in the summary.
+ANALYTIC, USER_FN, COUNTER, UNKNOWN = (
+    "analytic transformer formula",
+    "flops_per_batch_fn",
+    "torch.utils.flop_counter on a meta copy",
+    "unknown",
+)
 
 
 def checkpointed_fraction(module: torch.nn.Module, n_blocks: int | None) -> float:
@@ -46,13 +59,18 @@ def checkpointed_fraction(module: torch.nn.Module, n_blocks: int | None) -> floa
 class SpeedMonitor(Callback):
     """Throughput with honest MFU/HFU, logged once per window without synchronising any step.
 
-    FLOPs per batch come from the analytic formula when the module carries a :class:`GPTConfig` (``config``), from a
-    ``flops_per_batch_fn`` you give, or from ``torch.utils.flop_counter`` on a meta-device copy of the module's forward.
-    MFU counts model FLOPs (3x forward); HFU adds the recomputed forward of checkpointed blocks.
+    FLOPs per micro-batch come from the analytic formula when the module carries a :class:`GPTConfig` (``config``),
+    from a ``flops_per_batch_fn`` you give, or from ``torch.utils.flop_counter``: at the first batch one meta-device
+    copy of the module's ``forward`` (+ backward) is counted at four sequence lengths and fitted to
+    ``B * (c + a*T + b*T^2)`` (:func:`~lightning_trainopt.core.flops.fit_seq_flops`), so later lengths cost nothing.
+    If that fails (e.g. a forward that reads tensor values) FLOPs are unknown: MFU, HFU and TFLOP/s are left out with
+    one warning, tokens/s and samples/s are still reported. MFU counts model FLOPs (3x forward); HFU adds the
+    recomputed forward of checkpointed blocks. Windows close every ``log_every_n_steps`` optimizer steps, at
+    ``max_steps`` and at the end of fit, so short runs are measured too.
 
     Args:
         log_every_n_steps: window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
-        hardware: a :class:`HardwareSpec` or preset name; default ``auto`` (the current device).
+        hardware: a :class:`HardwareSpec` or preset name (``conf/hardware``); default ``auto`` (the current device).
         peak_tflops: override the dense peak TFLOP/s per device for the precision in use (needed for MFU on CPU).
         samples_fn: ``batch -> int`` samples of a micro-batch (default: inferred from shapes).
         tokens_fn: ``batch -> int | Tensor`` tokens of a micro-batch (default: shapes, or an attention mask's sum).
@@ -60,6 +78,9 @@ class SpeedMonitor(Callback):
         recompute_fraction: share of the forward recomputed in backward, for HFU (default: detected).
         warmup_steps: optimizer steps left out of the end-of-fit figures.
         clock: seconds since an arbitrary origin (tests inject a fake).
+
+    Raises:
+        ConfigError: an argument of the wrong type or range (e.g. ``peak_tflops="312"``), or an unknown preset name.
 
     Example::
 
@@ -78,15 +99,18 @@ class SpeedMonitor(Callback):
         warmup_steps: int = 1,
         clock: Clock | None = None,
     ) -> None:
-        check_log_every("callbacks.speed_monitor.log_every_n_steps", log_every_n_steps)
-        if peak_tflops is not None and not peak_tflops > 0:
-            raise ConfigError("callbacks.speed_monitor.peak_tflops", peak_tflops, "use a positive TFLOP/s figure.")
-        if recompute_fraction is not None and not 0.0 <= recompute_fraction <= 1.0:
-            raise ConfigError(
-                "callbacks.speed_monitor.recompute_fraction", recompute_fraction, "use a value in [0, 1]."
-            )
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ConfigError("callbacks.speed_monitor.warmup_steps", warmup_steps, "use an integer >= 0.")
+        check_log_every(f"{_KEY}.log_every_n_steps", log_every_n_steps)
+        check_hardware(f"{_KEY}.hardware", hardware)
+        check_number(f"{_KEY}.peak_tflops", peak_tflops, low=0.0, low_open=True)
+        check_number(f"{_KEY}.recompute_fraction", recompute_fraction, low=0.0, high=1.0)
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+            raise ConfigError(f"{_KEY}.warmup_steps", warmup_steps, "use an integer >= 0.")
+        for name, fn in (
+            ("samples_fn", samples_fn),
+            ("tokens_fn", tokens_fn),
+            ("flops_per_batch_fn", flops_per_batch_fn),
+        ):
+            check_callable(f"{_KEY}.{name}", fn)
         self.log_every_n_steps = log_every_n_steps
         self.hardware = hardware
         self.peak_tflops = peak_tflops
@@ -100,15 +124,33 @@ class SpeedMonitor(Callback):
         self._spec: HardwareSpec | None = None
         self._peak: float | None = None
         self._dtype = "fp32"
-        self._flops_source = "none"
-        self._flops_cache: dict[Any, tuple[int, int] | None] = {}
+        self._start_step = 0
+        self._world_size = 1
         self._recompute = 0.0
-        self._totals = {"seconds": 0.0, "samples": 0, "tokens": 0, "model_flops": 0, "hardware_flops": 0}
+        self._totals: dict[str, Any] = {
+            "seconds": 0.0,
+            "samples": 0,
+            "tokens": 0,
+            "model_flops": 0,
+            "hardware_flops": 0,
+            "flops_known": True,
+        }
+        self._new_fit()
         self._reset_window()
 
+    def _new_fit(self) -> None:
+        self._sizer = BatchSizer(
+            "SpeedMonitor", self.samples_fn, self.tokens_fn, "its samples/s or tokens/s are left out"
+        )
+        self._flops_source = "none"
+        self._flops_note: str | None = None
+        self._fit: SeqFlops | None = None
+        self._fit_cache: dict[tuple[int, int | None], int] = {}  # evaluating the fit's fractions costs ~0.1 ms
+
     def _reset_window(self) -> None:
-        self._w_samples = 0
-        self._w_tokens: int | torch.Tensor = 0
+        self._w_batches = 0
+        self._w_samples: int | None = 0
+        self._w_tokens: int | torch.Tensor | None = 0
         self._w_model_flops = 0
         self._w_hw_flops = 0
         self._w_start: float | None = None
@@ -126,7 +168,7 @@ class SpeedMonitor(Callback):
         if self._peak is None:
             rank_zero_info(
                 f"SpeedMonitor: MFU/HFU omitted: no peak FLOP/s known for {self._spec.name} in {self._dtype}; "
-                f"pass peak_tflops= (or hardware.peak_tflops.{self._dtype}=...)."
+                f"pass SpeedMonitor(peak_tflops=...), or with train.py +hardware.peak_tflops.{self._dtype}=<TFLOP/s>."
             )
 
     @override
@@ -140,45 +182,80 @@ class SpeedMonitor(Callback):
         )
         self._edge.reset(trainer)
         self._start_step = trainer.global_step
+        self._world_size = trainer.world_size
+        self._new_fit()
         self._reset_window()
 
+    def _with_recompute(self, model_flops: int) -> int:
+        return int(round(model_flops * (1 + self._recompute / 3)))
+
+    def _flops_unknown(self, reason: str) -> None:
+        self._flops_source = UNKNOWN
+        self._flops_note = reason
+        self._totals["flops_known"] = False
+        rank_zero_warn(
+            f"SpeedMonitor: FLOPs unknown, so MFU, HFU and TFLOP/s are left out (tokens/s and samples/s are still "
+            f"reported): {reason[:800]}. Pass SpeedMonitor(flops_per_batch_fn=batch -> training FLOPs of the "
+            f"micro-batch) to give them.",
+            category=UserWarning,
+        )
+
+    def _fit_flops(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, shape: BatchSize | None
+    ) -> None:
+        """Count the module's FLOPs once (first batch, before its window's clock starts)."""
+        if shape is None:
+            self._flops_unknown("the batch has no tensor to read its shape from")
+            return
+        try:
+            self._fit = fit_seq_flops(pl_module, batch, shape.samples, shape.seq_len, share=(trainer,))
+        except Exception as err:  # the user's forward on meta tensors may fail in any way; the fit must go on
+            self._flops_unknown(f"{type(pl_module).__name__}'s forward could not be counted on a meta copy ({err})")
+            return
+        self._flops_source = COUNTER
+
     def _batch_flops(
-        self, pl_module: pl.LightningModule, batch: Any, seq_len: int | None, samples: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, shape: BatchSize | None
     ) -> tuple[int, int] | None:
-        """(model FLOPs, hardware FLOPs) of one micro-batch, cached per shape."""
+        """(model FLOPs, hardware FLOPs) of one micro-batch; ``None`` when unknown."""
         if self.flops_per_batch_fn is not None:
-            self._flops_source = "flops_per_batch_fn"
+            self._flops_source = USER_FN
             f = int(self.flops_per_batch_fn(batch))
-            return f, int(round(f * (1 + self._recompute / 3)))
-        key = (samples, seq_len)
-        if key in self._flops_cache:
-            return self._flops_cache[key]
+            return f, self._with_recompute(f)
         cfg = getattr(pl_module, "config", None)
-        result: tuple[int, int] | None
-        if isinstance(cfg, GPTConfig) and seq_len is not None:
-            self._flops_source = "analytic transformer formula"
-            tf = transformer_flops(cfg, seq_len, samples)
-            result = (tf.train, tf.hardware_train(self._recompute))
-        else:
-            self._flops_source = "torch.utils.flop_counter on a meta copy"
-            inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-            f = count_flops(pl_module, inputs, share=(pl_module.trainer,))
-            result = (f, int(round(f * (1 + self._recompute / 3))))
-        self._flops_cache[key] = result
-        return result
+        if isinstance(cfg, GPTConfig) and shape is not None and shape.seq_len is not None:
+            self._flops_source = ANALYTIC
+            tf = transformer_flops(cfg, shape.seq_len, shape.samples)
+            return tf.train, tf.hardware_train(self._recompute)
+        if self._flops_source == UNKNOWN:
+            return None
+        if self._fit is None:
+            self._fit_flops(trainer, pl_module, batch, shape)
+            if self._fit is None:
+                return None
+        if shape is None or not self._fit.applies_to(shape.seq_len):
+            self._flops_unknown(
+                f"a batch of another structure (sequence length {shape.seq_len if shape else None}) than the "
+                f"one counted ({self._fit.call} at T={self._fit.lengths[0] if self._fit.lengths else None})"
+            )
+            return None
+        key = (shape.samples, shape.seq_len)
+        if key not in self._fit_cache:
+            self._fit_cache[key] = self._fit(*key)
+        f = self._fit_cache[key]
+        return f, self._with_recompute(f)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        count = self._sizer(batch)
+        flops = self._batch_flops(trainer, pl_module, batch, count.shape)  # before the clock: counting is not timed
         if self._w_start is None:
             self._w_start = self._clock()
-        size = batch_size_of(batch) if self.samples_fn is None or self.tokens_fn is None else None
-        samples = self.samples_fn(batch) if self.samples_fn else size.samples  # type: ignore[union-attr]
-        tokens = self.tokens_fn(batch) if self.tokens_fn else size.tokens  # type: ignore[union-attr]
-        self._w_samples += int(samples)
-        self._w_tokens = self._w_tokens + tokens
-        flops = self._batch_flops(pl_module, batch, size.seq_len if size else None, int(samples))
+        self._w_batches += 1
+        self._w_samples = None if self._w_samples is None or count.samples is None else self._w_samples + count.samples
+        self._w_tokens = None if self._w_tokens is None or count.tokens is None else self._w_tokens + count.tokens
         if flops is None:
             self._w_flops_known = False
         else:
@@ -194,24 +271,27 @@ class SpeedMonitor(Callback):
         step = trainer.global_step
         if step - self._start_step <= self.warmup_steps:
             self._reset_window()
+            self._w_start = self._clock()
             return
-        if step % log_interval(trainer, self.log_every_n_steps) == 0:
+        last = trainer.max_steps is not None and 0 < trainer.max_steps <= step
+        if last or step % log_interval(trainer, self.log_every_n_steps) == 0:
             self._close_window(trainer, pl_module)
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._w_start is None:
+        if self._w_start is None or not self._w_batches:
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # once per window: the window's GPU work is done
         seconds = self._clock() - self._w_start
-        tokens = int(self._w_tokens.item()) if isinstance(self._w_tokens, torch.Tensor) else int(self._w_tokens)
+        tokens = int(self._w_tokens.item()) if isinstance(self._w_tokens, torch.Tensor) else self._w_tokens
+        samples = self._w_samples
         if seconds <= 0:
             self._reset_window()
             return
         known = self._w_flops_known
         tp = throughput(
             seconds,
-            self._w_samples,
+            samples,
             tokens,
             trainer.world_size,
             self._w_model_flops if known else None,
@@ -220,8 +300,9 @@ class SpeedMonitor(Callback):
         )
         t = self._totals
         t["seconds"] += seconds
-        t["samples"] += self._w_samples
-        t["tokens"] += tokens
+        t["samples"] = None if t["samples"] is None or samples is None else t["samples"] + samples
+        t["tokens"] = None if t["tokens"] is None or tokens is None else t["tokens"] + tokens
+        t["flops_known"] = t["flops_known"] and known
         t["model_flops"] += self._w_model_flops
         t["hardware_flops"] += self._w_hw_flops
         metrics = {f"throughput/{k}": v for k, v in tp.to_dict().items() if v is not None and k != "seconds"}
@@ -232,10 +313,22 @@ class SpeedMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
+        # The last window may be partial (fewer steps than log_every_n_steps, an epoch-based end): close it so that
+        # short runs are measured too.
+        self._close_window(trainer, pl_module)
+        self._reset_window()
 
     def summary(self) -> dict[str, Any]:
-        """``{"throughput": {...}}``: run means over all closed windows (warm-up excluded) for metrics.json."""
+        """``{"throughput": {...}}``: run means over all closed windows (warm-up excluded) for metrics.json.
+
+        Keys: the rates of :class:`~lightning_trainopt.core.throughput.ThroughputWindow`, ``seconds``, ``samples``,
+        ``tokens``, ``flops_per_token``, ``dtype``, ``peak_tflops``, ``peak_source``, ``hardware``,
+        ``flops_source`` (analytic formula, flops_per_batch_fn, flop counter or unknown), ``flops_fit`` (the fitted
+        ``c, a, b``, lengths and call, flop counter only), ``flops_note`` (why FLOPs are unknown) and
+        ``recompute_fraction``.
+        """
         t = self._totals
+        known = bool(t["flops_known"]) and t["model_flops"] > 0
         out: dict[str, Any] = {
             "dtype": self._dtype,
             "peak_tflops": self._peak / 1e12 if self._peak else None,
@@ -244,22 +337,25 @@ class SpeedMonitor(Callback):
             else "user-set (peak_tflops)",
             "hardware": self._spec.name if self._spec else None,
             "flops_source": self._flops_source,
+            "flops_fit": self._fit.to_dict() if self._fit is not None else None,
+            "flops_note": self._flops_note,
             "recompute_fraction": self._recompute,
             "seconds": t["seconds"],
+            "samples": t["samples"],
             "tokens": t["tokens"],
         }
         if t["seconds"] > 0:
             tp = throughput(
                 t["seconds"],
-                int(t["samples"]),
-                int(t["tokens"]),
-                getattr(self, "_world_size", 1),
-                int(t["model_flops"]) or None,
-                int(t["hardware_flops"]) or None,
+                t["samples"],
+                t["tokens"],
+                self._world_size,
+                int(t["model_flops"]) if known else None,
+                int(t["hardware_flops"]) if known else None,
                 self._peak,
             )
             out.update(tp.to_dict())
-            out["flops_per_token"] = t["model_flops"] / t["tokens"] if t["tokens"] else None
+            out["flops_per_token"] = t["model_flops"] / t["tokens"] if known and t["tokens"] else None
         return {"throughput": json_safe(out)}
 
     @override
@@ -268,4 +364,4 @@ class SpeedMonitor(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._totals = dict(state_dict["totals"])
+        self._totals = {"flops_known": True, **state_dict["totals"]}

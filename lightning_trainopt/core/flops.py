@@ -1,5 +1,6 @@
 """Training FLOPs: the analytic transformer formula for :class:`GPTConfig`, and ``torch.utils.flop_counter`` for any
-module.
+module, counted once on a meta-device copy and fitted to ``B * (c + a*T + b*T^2)`` so that batches of any length
+cost no further counting.
 
 Convention (PaLM appendix B, Megatron-LM): only matrix multiplications count, a multiply-add is 2 FLOPs, the backward
 pass costs twice the forward, and attention scores/values count the full ``T x T`` product even under a causal mask
@@ -9,8 +10,10 @@ pass costs twice the forward, and attention scores/values count the full ``T x T
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -18,7 +21,20 @@ from torch import nn
 
 from lightning_trainopt.models.config import GPTConfig
 
-__all__ = ["TransformerFlops", "count_flops", "meta_copy", "transformer_flops"]
+__all__ = [
+    "LABEL_KEYS",
+    "CallConvention",
+    "SeqFlops",
+    "TransformerFlops",
+    "call_conventions",
+    "count_flops",
+    "fit_seq_flops",
+    "meta_copy",
+    "transformer_flops",
+]
+
+#: Batch keys that are targets, never passed to ``forward`` (a module given ``labels`` may compute its own loss).
+LABEL_KEYS = frozenset({"labels", "label", "targets", "target", "y"})
 
 
 @dataclass(frozen=True)
@@ -71,27 +87,130 @@ def meta_copy(module: nn.Module, share: tuple[Any, ...] = ()) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _to_meta(obj: Any) -> Any:
+def _to_meta(obj: Any, shape_of: Callable[[torch.Tensor], list[int]] | None = None) -> Any:
+    """``obj`` with every tensor replaced by a meta tensor of the same dtype (and shape, unless ``shape_of`` says)."""
     if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj, device="meta")
+        shape = shape_of(obj) if shape_of is not None else list(obj.shape)
+        return torch.empty(shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_meta(o, shape_of) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_meta(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_meta(v) for k, v in obj.items()}
+        return type(obj)(_to_meta(o, shape_of) for o in obj)
+    if isinstance(obj, Mapping):
+        return {k: _to_meta(v, shape_of) for k, v in obj.items()}
     return obj
 
 
-def _default_loss(out: Any) -> torch.Tensor:
+def _resized(old: int, new: int, only_dim1: bool) -> Callable[[torch.Tensor], list[int]]:
+    """Shape map that sets the sequence dimensions (size ``old``, after the batch dimension) to ``new``."""
+
+    def shape_of(t: torch.Tensor) -> list[int]:
+        shape = list(t.shape)
+        for i in range(1, min(2, t.dim()) if only_dim1 else t.dim()):
+            if shape[i] == old:
+                shape[i] = new
+        return shape
+
+    return shape_of
+
+
+def _output_tensor(out: Any) -> torch.Tensor | None:
     if isinstance(out, torch.Tensor):
-        return out.float().sum()
+        return out
     logits = getattr(out, "logits", None)
-    if logits is None and isinstance(out, dict):
-        logits = out.get("logits")
-    if logits is None and isinstance(out, (tuple, list)):
-        logits = out[0]
-    if not isinstance(logits, torch.Tensor):
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, Mapping):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        values: Any = out.values()
+    elif isinstance(out, (tuple, list)):
+        values = out
+    else:
+        return None
+    for value in values:
+        found = _output_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    tensor = _output_tensor(out)
+    if tensor is None:
         raise TypeError(f"cannot find a tensor to backpropagate in the model output of type {type(out).__name__}")
-    return logits.float().sum()
+    return tensor.float().sum()
+
+
+@dataclass(frozen=True)
+class CallConvention:
+    """One way to call a module's ``forward`` with a batch.
+
+    Args:
+        describe: how it reads in messages, e.g. ``forward(input_ids=, attention_mask=)``.
+        split: maps a batch to ``(args, kwargs)``.
+    """
+
+    describe: str
+    split: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def _input_keys(module: nn.Module, batch: Mapping[Any, Any]) -> tuple[str, ...]:
+    candidates = [k for k in batch if isinstance(k, str) and k not in LABEL_KEYS]
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a builtin): offer every non-label key
+        return tuple(candidates)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    keys = [k for k in candidates if k in named]
+    if not keys and any(p.kind is p.VAR_KEYWORD for p in params):
+        keys = candidates
+    return tuple(keys)
+
+
+def call_conventions(module: nn.Module, batch: Any) -> list[CallConvention]:
+    """The ways worth trying to call ``module`` with ``batch``, most likely first.
+
+    A tensor: ``forward(batch)``. A tuple/list: ``forward(batch[0])`` (inputs first, targets after), then
+    ``forward(*batch)``, then ``forward(batch)``. A dict: ``forward(**inputs)`` with the keys the signature names
+    (every key when it only takes ``**kwargs``) except the :data:`LABEL_KEYS`, then ``forward(batch)``.
+    Anything else: ``forward(batch)``.
+    """
+    whole = CallConvention("forward(batch)", lambda b: ((b,), {}))
+    if isinstance(batch, (tuple, list)):
+        out = [CallConvention("forward(batch[0])", lambda b: ((b[0],), {}))] if batch else []
+        if len(batch) > 1:
+            out.append(CallConvention("forward(*batch)", lambda b: (tuple(b), {})))
+        return [*out, whole]
+    if isinstance(batch, Mapping):
+        keys = _input_keys(module, batch)
+        if not keys:
+            return [whole]
+        named = CallConvention(f"forward({', '.join(f'{k}=' for k in keys)})", lambda b: ((), {k: b[k] for k in keys}))
+        return [named, whole]
+    return [whole]
+
+
+def _count(
+    model: nn.Module,
+    convention: CallConvention,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    backward: bool = True,
+) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    args, kwargs = convention.split(inputs)
+    try:
+        with torch.enable_grad(), counter:
+            out = model(*args, **kwargs)
+            if backward:
+                (loss_fn or _default_loss)(out).backward()
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    return int(counter.get_total_flops())
 
 
 def count_flops(
@@ -106,22 +225,148 @@ def count_flops(
     Args:
         module: any module; it is copied to the meta device, so this costs no memory or compute.
         example_input: a tensor, a tuple/list of positional arguments, or a dict of keyword arguments.
-        loss_fn: maps the output to a scalar to backpropagate; default: sum of the (first) output tensor.
+        loss_fn: maps the output to a scalar to backpropagate; default: sum of the logits (first output tensor).
         backward: also count the backward pass.
         share: objects the meta copy references instead of copying (see :func:`meta_copy`).
     """
-    from torch.utils.flop_counter import FlopCounterMode
+    if isinstance(example_input, Mapping):
+        convention = CallConvention("forward(**input)", lambda b: ((), dict(b)))
+    elif isinstance(example_input, (tuple, list)):
+        convention = CallConvention("forward(*input)", lambda b: (tuple(b), {}))
+    else:
+        convention = CallConvention("forward(input)", lambda b: ((b,), {}))
+    return _count(meta_copy(module, share), convention, _to_meta(example_input), loss_fn, backward)
 
+
+@dataclass(frozen=True)
+class SeqFlops:
+    """Training FLOPs (forward + backward) of a micro-batch of ``B`` sequences of ``T`` tokens:
+    ``B * (c + a*T + b*T^2)``.
+
+    Exact for transformers: linear layers cost ``a`` per token, attention scores and values ``b*T`` per token, and
+    layers after pooling (a classifier head) ``c`` per sequence. Fitted by :func:`fit_seq_flops`.
+
+    Args:
+        per_sequence: ``c``.
+        per_token: ``a``.
+        per_token_squared: ``b``.
+        lengths: the lengths counted: the batch's own, two more for the fit and the last as a check; empty when the
+            batch has no sequence dimension (then FLOPs are ``B * c``).
+        call: how ``forward`` was called, e.g. ``forward(input_ids=, attention_mask=)``.
+    """
+
+    per_sequence: Fraction
+    per_token: Fraction
+    per_token_squared: Fraction
+    lengths: tuple[int, ...]
+    call: str
+
+    def applies_to(self, seq_len: int | None) -> bool:
+        """Whether batches with this ``seq_len`` (``None``: no sequence dimension) have the fitted structure."""
+        return (seq_len is not None) == bool(self.lengths)
+
+    def __call__(self, samples: int, seq_len: int | None) -> int:
+        t = seq_len or 0
+        return round(samples * (self.per_sequence + self.per_token * t + self.per_token_squared * t * t))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe view for metrics.json."""
+        return {
+            "per_sequence": float(self.per_sequence),
+            "per_token": float(self.per_token),
+            "per_token_squared": float(self.per_token_squared),
+            "lengths": list(self.lengths),
+            "call": self.call,
+        }
+
+
+def _fit_lengths(seq_len: int) -> list[int]:
+    """Three lengths besides ``seq_len``, shorter ones first (a learned position table may stop at ``seq_len``)."""
+    out: list[int] = []
+    for n in (-(-seq_len // 2), -(-seq_len // 4), -(-3 * seq_len // 4), seq_len + 1, seq_len + 2, seq_len + 3):
+        if n >= 1 and n != seq_len and n not in out:
+            out.append(n)
+    return out[:3]
+
+
+def _quadratic(points: list[tuple[int, Fraction]]) -> tuple[Fraction, Fraction, Fraction]:
+    """``(c, a, b)`` of ``c + a*T + b*T^2`` through three ``(T, value)`` points (Newton's divided differences)."""
+    (t0, g0), (t1, g1), (t2, g2) = points
+    d1 = (g1 - g0) / (t1 - t0)
+    d2 = (g2 - g1) / (t2 - t1)
+    b = (d2 - d1) / (t2 - t0)
+    a = d1 - b * (t0 + t1)
+    return g0 - a * t0 - b * t0 * t0, a, b
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:160] if text else ''}"
+
+
+def fit_seq_flops(
+    module: nn.Module,
+    batch: Any,
+    samples: int,
+    seq_len: int | None,
+    share: tuple[Any, ...] = (),
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    tolerance: float = 0.01,
+) -> SeqFlops:
+    """Count the training FLOPs of ``module`` on ``batch`` once and fit ``B * (c + a*T + b*T^2)``.
+
+    One meta-device copy of ``module`` runs forward + backward under ``torch.utils.flop_counter`` at the batch's own
+    length and at three others (the batch's tensors resized along their sequence dimensions): three counts fix
+    ``c, a, b`` exactly, the fourth must agree within ``tolerance``. The call convention is the first of
+    :func:`call_conventions` that runs. Costs a few forward/backward passes on meta tensors, once.
+
+    Args:
+        module: the module whose ``forward`` the batch is given to (a LightningModule's ``forward``).
+        batch: one real micro-batch; only the shapes and dtypes of its tensors are used.
+        samples: ``B``, the leading dimension of the batch's tensors.
+        seq_len: ``T``, dimension 1 of its inputs, or ``None`` when it has none (FLOPs are then ``B * c``).
+        share: objects the meta copy references instead of copying (see :func:`meta_copy`).
+        loss_fn: maps the output to a scalar to backpropagate; default: sum of the logits.
+        tolerance: relative disagreement allowed at the check length.
+
+    Raises:
+        RuntimeError: no call convention runs on the meta copy (e.g. the forward reads tensor values, which meta
+            tensors do not have), or the counts do not follow the polynomial. The message lists each attempt.
+    """
     model = meta_copy(module, share)
-    inputs = _to_meta(example_input)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        if isinstance(inputs, dict):
-            out = model(**inputs)
-        elif isinstance(inputs, (tuple, list)):
-            out = model(*inputs)
-        else:
-            out = model(inputs)
-        if backward:
-            (loss_fn or _default_loss)(out).backward()
-    return int(counter.get_total_flops())
+    errors: list[str] = []
+    base: int | None = None
+    for convention in call_conventions(module, batch):
+        try:
+            base = _count(model, convention, _to_meta(batch), loss_fn)
+        except Exception as err:  # the module's own code may fail in any way on meta tensors: try the next call
+            errors.append(f"{convention.describe} -> {_first_line(err)}")
+            continue
+        break
+    if base is None:
+        raise RuntimeError("; ".join(errors))
+    if seq_len is None:
+        return SeqFlops(Fraction(base, samples), Fraction(0), Fraction(0), (), convention.describe)
+    lengths = _fit_lengths(seq_len)
+    counts: list[int] | None = None
+    for only_dim1 in (False, True):
+        try:
+            counts = [
+                _count(model, convention, _to_meta(batch, _resized(seq_len, n, only_dim1)), loss_fn) for n in lengths
+            ]
+        except Exception as err:  # as above: a resize this module does not accept
+            errors.append(f"{convention.describe} at lengths {lengths} -> {_first_line(err)}")
+            continue
+        break
+    if counts is None:
+        raise RuntimeError(f"{convention.describe} runs at T={seq_len} only: " + "; ".join(errors))
+    points = [(seq_len, Fraction(base, samples))] + [(n, Fraction(f, samples)) for n, f in zip(lengths, counts)]
+    fit = SeqFlops(*_quadratic(points[:3]), tuple(t for t, _ in points), convention.describe)
+    check_len, check = lengths[-1], counts[-1]
+    predicted = fit(samples, check_len)
+    if abs(predicted - check) > tolerance * abs(check):
+        raise RuntimeError(
+            f"the FLOPs of {convention.describe} do not follow B*(c + a*T + b*T^2): counted {check} at T={check_len}, "
+            f"the fit through T={list(fit.lengths[:3])} predicts {predicted}"
+        )
+    return fit

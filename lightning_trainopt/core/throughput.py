@@ -44,15 +44,20 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def batch_size_of(batch: Any) -> BatchSize:
+def batch_size_of(batch: Any, mask_tokens: bool = True) -> BatchSize:
     """Infer samples and tokens from common batch shapes.
 
     A tensor ``(B, T, ...)``, a tuple/list whose first tensor is ``(B, T)``, or a dict with ``input_ids`` (and an
     optional ``attention_mask``, whose sum counts the real tokens of padded, variable-length batches). A 1-D tensor
     counts ``B`` samples of one token.
 
+    Args:
+        batch: one micro-batch.
+        mask_tokens: sum an ``attention_mask`` for the tokens; ``False`` counts ``B * T`` (when tokens come from
+            elsewhere, this launches no device work).
+
     Raises:
-        TypeError: no tensor in the batch; pass ``batch_size_fn`` / ``tokens_fn`` to the callback instead.
+        TypeError: no tensor in the batch; pass ``samples_fn=`` / ``tokens_fn=`` to the callback instead.
     """
     x = _first_tensor(batch)
     if x is None:
@@ -62,20 +67,23 @@ def batch_size_of(batch: Any) -> BatchSize:
     samples = int(x.shape[0]) if x.dim() else 1
     seq_len = int(x.shape[1]) if x.dim() >= 2 else None
     tokens: int | torch.Tensor = samples * (seq_len or 1)
-    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
+    if mask_tokens and isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
         tokens = batch["attention_mask"].detach().sum()
     return BatchSize(samples, tokens, seq_len)
 
 
 @dataclass(frozen=True)
 class ThroughputWindow:
-    """Rates over a window of micro-batches on one device, and the whole job (``world_size`` devices)."""
+    """Rates over a window of micro-batches on one device, and the whole job (``world_size`` devices).
+
+    A rate is ``None`` when its count is unknown (a batch the callback could not size, FLOPs it could not count).
+    """
 
     seconds: float
-    samples_per_s: float
-    tokens_per_s: float
-    samples_per_s_total: float
-    tokens_per_s_total: float
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    samples_per_s_total: float | None
+    tokens_per_s_total: float | None
     tflops_per_s: float | None
     mfu: float | None
     hfu: float | None
@@ -86,8 +94,8 @@ class ThroughputWindow:
 
 def throughput(
     seconds: float,
-    samples: int,
-    tokens: int,
+    samples: int | None,
+    tokens: int | None,
     world_size: int = 1,
     model_flops: int | None = None,
     hardware_flops: int | None = None,
@@ -96,7 +104,8 @@ def throughput(
     """Rates of one device over ``seconds`` in which it processed ``samples``/``tokens`` and ``*_flops``.
 
     Totals assume every rank runs the same number of micro-batches in the window (data parallelism).
-    MFU = model FLOP/s / peak; HFU counts recomputation too. Both are ``None`` without a peak.
+    MFU = model FLOP/s / peak; HFU counts recomputation too. Both are ``None`` without a peak. Unknown counts
+    (``None``) give ``None`` rates.
 
     Raises:
         ValueError: ``seconds`` is not positive.
@@ -109,10 +118,10 @@ def throughput(
     hfu = None if hfu_flops is None or not peak_flops else hfu_flops / seconds / peak_flops
     return ThroughputWindow(
         seconds=seconds,
-        samples_per_s=samples / seconds,
-        tokens_per_s=tokens / seconds,
-        samples_per_s_total=samples * world_size / seconds,
-        tokens_per_s_total=tokens * world_size / seconds,
+        samples_per_s=None if samples is None else samples / seconds,
+        tokens_per_s=None if tokens is None else tokens / seconds,
+        samples_per_s_total=None if samples is None else samples * world_size / seconds,
+        tokens_per_s_total=None if tokens is None else tokens * world_size / seconds,
         tflops_per_s=tflops,
         mfu=mfu,
         hfu=hfu,

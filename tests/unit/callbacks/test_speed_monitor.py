@@ -1,15 +1,29 @@
+import logging
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_trainopt.callbacks import SpeedMonitor
+import lightning_trainopt.callbacks.cost_monitor as cost_monitor_module
+import lightning_trainopt.callbacks.speed_monitor as speed_monitor_module
+from lightning_trainopt.callbacks import CostMonitor, SpeedMonitor
 from lightning_trainopt.callbacks.speed_monitor import checkpointed_fraction
-from lightning_trainopt.core.flops import transformer_flops
+from lightning_trainopt.core.flops import count_flops, transformer_flops
 from lightning_trainopt.exceptions import ConfigError
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
+from tests.unit.callbacks._foreign import (
+    DictClassifier,
+    ObjectBatchClassifier,
+    TrimClassifier,
+    WholeBatchClassifier,
+    loader,
+    object_batches,
+    padded_batches,
+)
 
 
 def _fit(monitor, clock, max_steps=5, **kwargs):
@@ -24,15 +38,16 @@ def test_exact_logged_values_with_mocked_clock_and_peak():
     monitor = SpeedMonitor(log_every_n_steps=2, peak_tflops=1e-6, warmup_steps=1, clock=clock)
     logger = _fit(monitor, clock)
     flops = transformer_flops(TINY, 16, 4).train
-    # Windows close at steps 2 and 4: one micro-batch (2 s) then two (4 s), 4 x 16 tokens each.
-    assert logger.values("throughput/tokens_per_s") == [32.0, 32.0]
-    assert logger.values("throughput/samples_per_s") == [2.0, 2.0]
-    assert logger.values("throughput/tflops_per_s") == [flops / 2 / 1e12, 2 * flops / 4 / 1e12]
-    assert logger.values("throughput/mfu") == [flops / 2 / 1e6, 2 * flops / 4 / 1e6]
+    # Windows close at steps 2 and 4 and at max_steps=5: one micro-batch (2 s), two (4 s), one (2 s); 4 x 16 tokens.
+    assert logger.values("throughput/tokens_per_s") == [32.0, 32.0, 32.0]
+    assert logger.values("throughput/samples_per_s") == [2.0, 2.0, 2.0]
+    assert logger.values("throughput/tflops_per_s") == [flops / 2 / 1e12, 2 * flops / 4 / 1e12, flops / 2 / 1e12]
+    assert logger.values("throughput/mfu") == [flops / 2 / 1e6, 2 * flops / 4 / 1e6, flops / 2 / 1e6]
     assert logger.values("throughput/hfu") == logger.values("throughput/mfu")
     s = monitor.summary()["throughput"]
-    assert s["tokens"] == 3 * 64
-    assert s["seconds"] == 6.0
+    assert s["tokens"] == 4 * 64
+    assert s["samples"] == 4 * 4
+    assert s["seconds"] == 8.0
     assert s["tokens_per_s"] == 32.0
     assert s["flops_source"] == "analytic transformer formula"
     assert s["peak_source"] == "user-set (peak_tflops)"
@@ -121,11 +136,46 @@ def test_hfu_counts_the_blocks_our_activation_checkpointing_recomputes():
     assert logger.values("throughput/hfu") == [f.hardware_train(0.5) / 2 / 1e6] * 2
 
 
-def test_bad_arguments():
-    with pytest.raises(ConfigError, match="peak_tflops"):
-        SpeedMonitor(peak_tflops=0)
-    with pytest.raises(ConfigError, match="recompute_fraction"):
-        SpeedMonitor(recompute_fraction=2.0)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"peak_tflops": 0}, "callbacks.speed_monitor.peak_tflops=0 is invalid: use a number > 0."),
+        ({"peak_tflops": "312"}, "peak_tflops='312' is invalid: use a number > 0 (a number, not a string)."),
+        ({"peak_tflops": True}, "peak_tflops=True is invalid"),
+        ({"recompute_fraction": 2.0}, "recompute_fraction=2.0 is invalid: use a number >= 0 and <= 1."),
+        ({"recompute_fraction": "a"}, "recompute_fraction='a' is invalid"),
+        ({"hardware": "h1000"}, "callbacks.speed_monitor.hardware='h1000' is invalid: use auto or one of a100_40gb"),
+        ({"hardware": 3}, "hardware=3 is invalid: use a preset name"),
+        ({"samples_fn": 3}, "samples_fn=3 is invalid: use a function of the batch"),
+        ({"flops_per_batch_fn": "x"}, "flops_per_batch_fn='x' is invalid"),
+        ({"warmup_steps": True}, "warmup_steps=True is invalid"),
+        ({"log_every_n_steps": "5"}, "log_every_n_steps='5' is invalid"),
+    ],
+)
+def test_bad_arguments_are_refused_in_init(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        SpeedMonitor(**kwargs)
+    assert message in str(info.value)
+
+
+def test_good_arguments_are_kept():
+    m = SpeedMonitor(hardware="h100", peak_tflops=312, recompute_fraction=0.5, samples_fn=len)
+    assert (m.hardware, m.peak_tflops, m.recompute_fraction, m.samples_fn) == ("h100", 312, 0.5, len)
+
+
+def test_the_mfu_hint_is_an_override_hydra_accepts(caplog):
+    from hydra.utils import instantiate
+
+    from tests.helpers.compose import compose_config
+
+    clock = StepClock(dt=1.0)
+    with caplog.at_level(logging.INFO):
+        _fit(SpeedMonitor(clock=clock), clock, max_steps=1)
+    hint = next(r.getMessage() for r in caplog.records if "MFU/HFU omitted" in r.getMessage())
+    override = re.search(r"(\+hardware\.peak_tflops\.fp32)=<TFLOP/s>", hint)
+    assert override is not None, hint
+    cfg = compose_config([f"{override.group(1)}=0.5"])
+    assert instantiate(cfg.hardware).peak("fp32") == 0.5e12
 
 
 @RunIf(min_cuda_gpus=1)
@@ -138,3 +188,160 @@ def test_mfu_on_gpu_is_a_true_fraction():
     assert s["peak_tflops"] is not None, "the CUDA device should be in the peak table"
     assert 0.0 < s["mfu"] < 1.0
     assert s["tokens_per_s"] > 0
+
+
+# --- short runs: the last, partial window is measured -------------------------------------------------------------
+
+
+def test_a_run_shorter_than_the_logging_window_is_measured():
+    clock = StepClock(dt=2.0)
+    monitor = SpeedMonitor(clock=clock)  # window: the Trainer's log_every_n_steps=50, more than max_steps
+    logger = _fit(monitor, clock, max_steps=6, log_every_n_steps=50)
+    # Step 1 is warm-up; steps 2-6 (5 micro-batches, 10 s) close at max_steps.
+    assert logger.values("throughput/tokens_per_s") == [32.0]
+    s = monitor.summary()["throughput"]
+    assert (s["tokens"], s["samples"], s["seconds"], s["tokens_per_s"]) == (5 * 64, 5 * 4, 10.0, 32.0)
+
+
+def test_an_epoch_based_end_closes_the_window_at_train_end():
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(clock=clock)
+    logger = _fit(monitor, clock, max_steps=-1, max_epochs=1, limit_train_batches=4, log_every_n_steps=50)
+    assert logger.values("throughput/tokens_per_s") == [64.0]  # closed by on_train_end: batches 2-4, 3 s
+    s = monitor.summary()["throughput"]
+    assert (s["tokens"], s["seconds"]) == (3 * 64, 3.0)
+
+
+# --- foreign modules: any LightningModule, no arguments -----------------------------------------------------------
+
+
+def _direct(module: pl.LightningModule, batch: dict) -> int:
+    return count_flops(module, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
+
+
+def test_foreign_dict_batches_with_padding_labels_and_accumulation(monkeypatch):
+    clock = StepClock(dt=1.0)
+    # No arguments at all; only the clock is made deterministic.
+    monkeypatch.setattr(speed_monitor_module, "default_clock", clock)
+    monkeypatch.setattr(cost_monitor_module, "default_clock", clock)
+    speed, cost = SpeedMonitor(), CostMonitor()
+    batches = padded_batches(8)
+    assert len({b["input_ids"].shape[1] for b in batches}) >= 5  # variable padded lengths
+    logger = ListLogger()
+    module = DictClassifier()
+    trainer = tiny_trainer([clock, speed, cost], max_steps=4, accumulate_grad_batches=2, logger=logger)
+    with pytest.warns(UserWarning, match="price_per_device_hour"):  # CostMonitor on CPU: no price, hours only
+        trainer.fit(module, loader(batches))
+    real = [int(b["attention_mask"].sum()) for b in batches]
+    assert sum(real) < sum(b["input_ids"].numel() for b in batches)  # padding is not counted
+    # Step 1 (micro-batches 0-1) is warm-up; windows close at steps 2, 3, 4, each two micro-batches of 1 s.
+    assert logger.values("throughput/tokens_per_s") == [(real[i] + real[i + 1]) / 2 for i in (2, 4, 6)]
+    assert logger.values("throughput/samples_per_s") == [4.0, 4.0, 4.0]
+    step_flops = [f * 2 * 1e12 for f in logger.values("throughput/tflops_per_s")]
+    direct = [_direct(module, batches[i]) + _direct(module, batches[i + 1]) for i in (2, 4, 6)]
+    assert step_flops == pytest.approx(direct, rel=1e-9)
+    s = speed.summary()["throughput"]
+    assert (s["tokens"], s["samples"], s["seconds"]) == (sum(real[2:]), 24, 6.0)
+    assert s["flops_source"] == "torch.utils.flop_counter on a meta copy"
+    assert s["flops_fit"]["call"] == "forward(input_ids=, attention_mask=)"  # not labels
+    c = cost.summary()["cost"]
+    assert (c["tokens"], c["samples"]) == (sum(real), 32)  # CostMonitor counts every micro-batch
+    assert c["device_hours"] == pytest.approx(8 / 3600)
+    assert c["dollars"] is None
+
+
+def test_flops_are_counted_once_and_never_inside_a_timed_window(monkeypatch):
+    clock = StepClock(dt=1.0)
+    calls = []
+    real_fit = speed_monitor_module.fit_seq_flops
+
+    def slow_fit(*args, **kwargs):
+        calls.append(args[3])
+        clock.t += 1000.0  # a fit that takes "1000 s" must not show in any window
+        return real_fit(*args, **kwargs)
+
+    monkeypatch.setattr(speed_monitor_module, "fit_seq_flops", slow_fit)
+    monitor = SpeedMonitor(log_every_n_steps=2, warmup_steps=0, clock=clock)
+    batches = padded_batches(6)
+    logger = ListLogger()
+    tiny_trainer([clock, monitor], max_steps=6, logger=logger).fit(DictClassifier(), loader(batches))
+    assert len(calls) == 1  # six batches, several lengths, one count
+    real = [int(b["attention_mask"].sum()) for b in batches]
+    assert logger.values("throughput/tokens_per_s") == [(real[i] + real[i + 1]) / 2 for i in (0, 2, 4)]
+
+
+def test_a_forward_that_cannot_run_on_meta_leaves_flops_unknown_and_the_fit_running():
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(peak_tflops=1.0, clock=clock)
+    logger = ListLogger()
+    trainer = tiny_trainer([clock, monitor], max_steps=4, logger=logger)
+    with pytest.warns(UserWarning, match="flops_per_batch_fn") as record:
+        trainer.fit(TrimClassifier(), loader(padded_batches(4)))
+    assert trainer.global_step == 4
+    assert sum("FLOPs unknown" in str(w.message) for w in record) == 1  # one warning
+    assert "Tensor.item() cannot be called on meta tensors" in next(
+        str(w.message) for w in record if "FLOPs unknown" in str(w.message)
+    )
+    assert len(logger.values("throughput/tokens_per_s")) == 3
+    assert logger.values("throughput/tflops_per_s") == []
+    assert logger.values("throughput/mfu") == []
+    s = monitor.summary()["throughput"]
+    assert s["flops_source"] == "unknown"
+    assert (s["mfu"], s["hfu"], s["tflops_per_s"], s["flops_per_token"]) == (None, None, None, None)
+    assert s["tokens_per_s"] > 0
+
+
+def test_a_forward_that_takes_the_whole_batch_is_counted():
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(clock=clock, warmup_steps=0)
+    logger = ListLogger()
+    module = WholeBatchClassifier()
+    batches = padded_batches(2)
+    tiny_trainer([clock, monitor], max_steps=2, logger=logger).fit(module, loader(batches))
+    s = monitor.summary()["throughput"]
+    assert s["flops_fit"]["call"] == "forward(batch)"
+    flops = [f * 1e12 for f in logger.values("throughput/tflops_per_s")]
+    assert flops == pytest.approx([count_flops(module, (b,)) for b in batches], rel=1e-9)
+
+
+def test_a_batch_it_cannot_size_warns_once_and_the_fit_runs():
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(clock=clock)
+    with pytest.warns(UserWarning, match="cannot size a batch of type Batch") as record:
+        tiny_trainer([clock, monitor], max_steps=3).fit(ObjectBatchClassifier(), loader(object_batches(3)))
+    messages = [str(w.message) for w in record]
+    sizing = [m for m in messages if "cannot size" in m]
+    assert len(sizing) == 1
+    assert "Pass samples_fn=batch -> int and tokens_fn=batch -> int to SpeedMonitor" in sizing[0]
+    assert sum("flops_per_batch_fn" in m for m in messages) == 1
+    s = monitor.summary()["throughput"]
+    assert (s["tokens"], s["samples"], s["tokens_per_s"]) == (None, None, None)
+    assert s["seconds"] == 2.0
+
+
+def test_user_functions_size_any_batch():
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(
+        clock=clock,
+        samples_fn=lambda b: b.ids.shape[0],
+        tokens_fn=lambda b: b.ids.numel(),
+        flops_per_batch_fn=lambda b: 1000 * b.ids.numel(),
+    )
+    logger = ListLogger()
+    tiny_trainer([clock, monitor], max_steps=3, logger=logger).fit(ObjectBatchClassifier(), loader(object_batches(3)))
+    assert logger.values("throughput/tokens_per_s") == [24.0, 24.0]
+    assert logger.values("throughput/tflops_per_s") == [24000 / 1e12, 24000 / 1e12]
+    s = monitor.summary()["throughput"]
+    assert (s["tokens"], s["samples"], s["flops_source"]) == (48, 8, "flops_per_batch_fn")
+
+
+@RunIf(min_cuda_gpus=1)
+def test_foreign_module_on_gpu_is_counted_on_a_meta_copy():
+    monitor = SpeedMonitor(log_every_n_steps=2)
+    trainer = tiny_trainer([monitor], max_steps=8, accelerator="gpu", precision="bf16-mixed")
+    trainer.fit(DictClassifier(), loader(padded_batches(8)))
+    s = monitor.summary()["throughput"]
+    assert s["flops_source"] == "torch.utils.flop_counter on a meta copy"
+    assert s["peak_tflops"] is not None, "the CUDA device should be in the peak table"
+    assert 0.0 < s["mfu"] < 1.0
+    assert s["tokens"] == sum(int(b["attention_mask"].sum()) for b in padded_batches(8)[1:])

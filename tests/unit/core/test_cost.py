@@ -33,3 +33,16 @@ def test_token_target_projection_and_no_price():
 def test_bad_values():
     with pytest.raises(ValueError, match="devices"):
         cost_report(1, 0, 1.0, 1)
+
+
+def test_unknown_tokens_leave_out_per_token_figures_and_the_token_projection():
+    r = cost_report(360, 2, 10.0, tokens=None, steps_done=5, steps_total=10, tokens_target=1000, samples=400)
+    assert r.dollars == pytest.approx(2.0)
+    assert r.device_hours == pytest.approx(0.2)
+    assert r.dollars_per_1b_tokens is None
+    assert r.projected_seconds_left is None  # the target is in tokens: no projection to the steps instead
+    assert r.dollars_per_1m_samples == pytest.approx(2.0 / 400 * 1e6)
+    r = cost_report(360, 2, 10.0, tokens=None, steps_done=5, steps_total=10)
+    assert r.projected_seconds_left == pytest.approx(360)
+    assert r.projected_total_dollars == pytest.approx(4.0)
+    assert r.dollars_per_1m_samples is None

@@ -47,3 +47,19 @@ def test_no_peak_means_no_mfu():
     assert w.tflops_per_s == 1e-11
     with pytest.raises(ValueError, match="positive"):
         throughput(0.0, 1, 1)
+
+
+def test_unknown_counts_give_no_rates():
+    w = throughput(2.0, None, 100, world_size=2)
+    assert w.samples_per_s is None
+    assert w.samples_per_s_total is None
+    assert w.tokens_per_s == 50
+    assert w.tokens_per_s_total == 100
+    w = throughput(2.0, 8, None)
+    assert (w.tokens_per_s, w.tokens_per_s_total, w.samples_per_s) == (None, None, 4)
+
+
+def test_mask_tokens_off_counts_the_padded_shape():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    b = batch_size_of({"input_ids": torch.zeros(2, 4), "attention_mask": mask}, mask_tokens=False)
+    assert b.tokens == 8
