@@ -78,7 +78,7 @@ def gpu_row(checkpoint: bool, micro_batch: int = 2, seq_len: int = 2048) -> dict
         ActivationPolicy(checkpoint_every=1 if checkpoint else 0),
         micro_batch,
         seq_len,
-        foreach=False,  # fused kernel: no sqrt temporary
+        adam_path="fused",  # the fused kernel: no sqrt temporary
     )
     predicted = estimate_plan(inputs, None, None, None).peak_device_bytes
     return {

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_trainopt.app.plan_inputs import (
     activation_policy,
     build_plan_inputs,
+    check_compatible,
     hardware_from_cfg,
     load_preset,
     optimizer_from_cfg,
@@ -113,6 +114,7 @@ def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "memory_breakdown": {c: mem.by_location(c) for c in ("params", "grads", "optimizer_states")},
         "device_memory_bytes": e.device_memory_bytes,
         "fits": e.fits,
+        "headroom_bytes": e.headroom_bytes,
         "margin_bytes": e.margin_bytes,
         "train_flops_per_token": e.train_flops_per_token,
         "tokens_per_sec_per_device": e.speed.tokens_per_sec_per_device,
@@ -121,6 +123,8 @@ def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "hours_to_target": e.speed.hours_to_target,
         "usd_to_target": e.speed.usd_to_target,
         "speed_source": e.speed.source,
+        "speed_measured": e.speed.source.startswith("measured"),
+        "adam_path": e.inputs.adam_path,
         "terms": [
             {
                 "category": t.category,
@@ -159,12 +163,60 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
-def _command(cfg: DictConfig, choices: dict[str, str], inputs: PlanInputs) -> str:
+# Overrides the planner writes itself in the printed command, from the planned values.
+_PLANNED_KEYS = (
+    "trainer.devices",
+    "trainer.num_nodes",
+    "data.batch_size",
+    "data.seq_len",
+    "trainer.accumulate_grad_batches",
+)
+
+
+def _task_overrides(cfg: DictConfig) -> list[str]:
+    """The command-line overrides of this run: ``plan.overrides`` when an API caller gives them, else Hydra's."""
+    given = _plain((cfg.get("plan") or {}).get("overrides"))
+    if given:
+        return [str(o) for o in given]
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [str(o) for o in HydraConfig.get().overrides.task]
+    except ValueError:
+        return []
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _command(
+    cfg: DictConfig, choices: dict[str, str], inputs: PlanInputs, swapped: dict[str, str] | None = None
+) -> str:
+    """``python train.py`` + the user's overrides (so the same model, data and hardware compose) + the planned values.
+
+    Args:
+        cfg: the composed config.
+        choices: preset names of the planned configuration (a search winner's groups included).
+        inputs: the planned values (devices, micro-batch, sequence length, accumulation).
+        swapped: groups a search winner replaces (group -> new preset): the user's override of the group and of
+            its keys are dropped, the winner's preset is written instead.
+    """
+    swapped = swapped or {}
     parts = ["python train.py"]
+    given = _task_overrides(cfg)
+    for o in given:
+        key = _override_key(o)
+        group = key.split(".", 1)[0]
+        if group in ("plan", "hydra") or key in _PLANNED_KEYS or group in swapped:
+            continue
+        parts.append(o)
+    present = {_override_key(o).split(".", 1)[0] for o in parts[1:] if "." not in _override_key(o)}
     for group in ("model", "hardware", "precision", "activations", "optimizer"):
-        if group in choices:
+        if group in choices and (group in swapped or group not in present):
             parts.append(f"{group}={choices[group]}")
-    if choices.get("strategy") and inputs.layout.kind != "single":
+    strategy_given = "strategy" in present and "strategy" not in swapped
+    if choices.get("strategy") and inputs.layout.kind != "single" and not strategy_given:
         parts.append(f"+strategy={choices['strategy']}")
     parts += [
         f"trainer.devices={inputs.devices}",
@@ -177,7 +229,13 @@ def _command(cfg: DictConfig, choices: dict[str, str], inputs: PlanInputs) -> st
     return " ".join(parts)
 
 
-def _measured_tokens_per_sec(path: Any, world_size: int) -> float | None:
+def _measured_tokens_per_sec(path: Any, inputs: PlanInputs, on_cuda: bool) -> float | None:
+    """Per-device tokens/s of a short ``train.py`` run of the same configuration (``plan.metrics``).
+
+    Raises:
+        ConfigError: the file is missing, has no speed, or comes from a run of another model, sequence length,
+            precision or device type (its speed would not apply).
+    """
     if not path:
         return None
     file = Path(str(path))
@@ -186,10 +244,28 @@ def _measured_tokens_per_sec(path: Any, world_size: int) -> float | None:
             "plan.metrics", str(path), "give the metrics.json of a short train.py run (it does not exist)."
         )
     data = json.loads(file.read_text())
+    expected = {
+        "n_params": inputs.model.n_params(),
+        "seq_len": inputs.seq_len,
+        "trainer_precision": inputs.trainer_precision,
+        "accelerator": "cuda" if on_cuda else "cpu",
+    }
+    recorded = {k: data.get(k) for k in expected}
+    if recorded["accelerator"] == "gpu":
+        recorded["accelerator"] = "cuda"
+    wrong = [f"{k} {recorded[k]!r} (planned {v!r})" for k, v in expected.items() if recorded[k] != v]
+    if wrong:
+        raise ConfigError(
+            "plan.metrics",
+            str(path),
+            "its run does not match the planned config: " + "; ".join(wrong) + ". Give the metrics.json of a "
+            "train.py run of the same model, seq_len, precision and device type, or drop plan.metrics.",
+        )
+    world = int(data.get("world_size") or inputs.world_size)
     if data.get("tokens_per_sec_per_device"):
         return float(data["tokens_per_sec_per_device"])
     if data.get("tokens_per_sec"):
-        return float(data["tokens_per_sec"]) / int(data.get("world_size", world_size))
+        return float(data["tokens_per_sec"]) / world
     raise ConfigError("plan.metrics", str(path), "that metrics.json has no tokens_per_sec; run train.py longer.")
 
 
@@ -220,27 +296,48 @@ def _search_space(cfg: DictConfig, world_size: int) -> SearchSpace:
     return SearchSpace(precisions, strategies, activations, optimizers, tuple(int(b) for b in space["micro_batch"]))
 
 
-def _adam_foreach_path(cfg: DictConfig, on_cuda: bool) -> Callable[[str], bool]:
-    """``trainer_precision -> bool``: does torch Adam/AdamW take its multi-tensor (foreach) path?
+def _adam_path(cfg: DictConfig, on_cuda: bool) -> Callable[[PlanInputs], str]:
+    """``inputs -> adam_path``: how torch Adam/AdamW runs its step in ``train.py`` (see ``model_states.ADAM_PATHS``).
 
-    That path's ``_foreach_sqrt`` makes a temporary as large as the second moments. On CUDA, LitGPT gives the
-    ``adamw`` preset the fused kernel (no temporary) except for fp16 AMP with gradient clipping
-    (``techniques.optimizers.fused_adam_kwargs``); an optimizer node that sets ``fused``/``foreach`` decides itself.
+    On CUDA, LitGPT gives a torch Adam/AdamW partial the fused kernel (no temporary) unless it sets ``fused`` or
+    ``foreach``, the strategy is DeepSpeed (which steps the client optimizer on its flat fp32 partitions: torch's
+    default there is ``foreach``), or fp16 AMP with gradient clipping (``techniques.optimizers.fused_adam_kwargs``).
+    On CPU torch has no foreach kernels: the single-tensor loop, unless the node asks for ``fused``/``foreach``.
     """
     opt = cfg.get("optimizer") or {}
     fused, foreach = opt.get("fused"), opt.get("foreach")
     clip = bool((cfg.get("trainer") or {}).get("gradient_clip_val"))
 
-    def takes_foreach(trainer_precision: str) -> bool:
-        if not on_cuda or fused is True:
-            return False
+    def path(inputs: PlanInputs) -> str:
+        if fused is True:
+            return "fused"
         if foreach is not None:
-            return bool(foreach)
-        if fused is False:
-            return True  # torch's CUDA default
-        return trainer_precision == "16-mixed" and clip
+            return "foreach" if foreach else "single_tensor"
+        if not on_cuda:
+            return "single_tensor"
+        if fused is False or inputs.layout.kind == "deepspeed":
+            return "foreach"  # torch's CUDA default when the fused kernel is not asked for
+        return "foreach" if inputs.trainer_precision == "16-mixed" and clip else "fused"
 
-    return takes_foreach
+    return path
+
+
+def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanInputs], bool]:
+    """``(choices, inputs) -> bool`` for the search: does ``train.py``'s pre-flight accept the candidate?"""
+    from lightning_trainopt.exceptions import IncompatibleConfigError
+
+    conf = _conf_dir(cfg)
+
+    def allowed(choices: dict[str, str], inputs: PlanInputs) -> bool:
+        strategy = load_preset(conf, "strategy", choices["strategy"]) if choices.get("strategy") else None
+        target = str(load_preset(conf, "optimizer", choices["optimizer"]).get("_target_", ""))
+        try:
+            check_compatible(strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"))
+        except IncompatibleConfigError:
+            return False
+        return True
+
+    return allowed
 
 
 def plan(cfg: DictConfig) -> PlanResult:
@@ -253,31 +350,43 @@ def plan(cfg: DictConfig) -> PlanResult:
         ConfigError: a value the planner cannot plan, named with its key and the fix.
     """
     plan_cfg = cfg.get("plan") or OmegaConf.create({})
+    _check_top_k(plan_cfg.get("top_k", 10))
     hardware = hardware_from_cfg(cfg.get("hardware"))
+    on_cuda = hardware.name != "cpu"
     choices = _choices(cfg)
-    foreach = _adam_foreach_path(cfg, on_cuda=hardware.name != "cpu")
+    adam_path = _adam_path(cfg, on_cuda)
     base = build_plan_inputs(cfg, choices.get("activations", "none"))
-    inputs = replace(base, foreach=foreach(base.trainer_precision))
+    inputs = replace(base, adam_path=adam_path(base))
     mfu = float(plan_cfg.get("mfu", 0.4))
     target = float(plan_cfg.get("target_tokens", 1e9))
-    measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs.world_size)
-    on_cuda = hardware.name != "cpu"
+    headroom = float(plan_cfg.get("headroom_fraction", 0.0))
+    measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs, on_cuda)
 
-    def run(i: PlanInputs, measured_tps: float | None = None) -> PlanEstimate:
+    def run(i: PlanInputs) -> PlanEstimate:
+        # A measured speed belongs to the configuration that ran; every other candidate keeps the FLOPs model.
         peak = hardware.peak(compute_dtype_key(i.trainer_precision, on_cuda))
-        return estimate_plan(i, hardware.memory_bytes, peak, hardware.price_per_device_hour, mfu, target, measured_tps)
+        tps = measured if i == inputs else None
+        return estimate_plan(i, hardware.memory_bytes, peak, hardware.price_per_device_hour, mfu, target, tps, headroom)
 
-    est = run(inputs, measured)
+    est = run(inputs)
     n = inputs.model.n_params()
     textbook = {s: textbook_model_state_bytes(n, s) for s in ("fp32", "mixed")}
     if not plan_cfg.get("search", False):
         return PlanResult(est, hardware, choices, _command(cfg, choices, inputs), textbook=textbook)
-    ranked, n_enum = search_plans(inputs, _search_space(cfg, inputs.world_size), run, foreach)
+    space = _search_space(cfg, inputs.world_size)
+    ranked, n_enum = search_plans(inputs, space, run, adam_path, _allowed(cfg, on_cuda))
     cmd = ""
     if ranked:
         win = ranked[0]
-        cmd = _command(cfg, {**choices, **win.choices}, win.estimate.inputs)
+        swapped = {g: p for g, p in win.choices.items() if choices.get(g) != p}
+        cmd = _command(cfg, {**choices, **win.choices}, win.estimate.inputs, swapped)
     return PlanResult(est, hardware, choices, cmd, ranked, n_enum, textbook)
+
+
+def _check_top_k(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("plan.top_k", value, "use a positive number of rows, e.g. plan.top_k=10.")
+    return value
 
 
 def plan_task(cfg: DictConfig) -> PlanResult:
@@ -291,5 +400,5 @@ def plan_task(cfg: DictConfig) -> PlanResult:
     if fmt == "json":
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print_plan(result, top_k=int((cfg.get("plan") or {}).get("top_k", 10)))
+        print_plan(result, top_k=_check_top_k((cfg.get("plan") or {}).get("top_k", 10)))
     return result

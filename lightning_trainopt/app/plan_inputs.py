@@ -22,6 +22,7 @@ from lightning_trainopt.models.config import GPTConfig
 __all__ = [
     "activation_policy",
     "build_plan_inputs",
+    "check_compatible",
     "hardware_from_cfg",
     "load_preset",
     "optimizer_from_cfg",
@@ -69,6 +70,10 @@ def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
             offload_params=off_par,
             reduce_bucket_size=int(node.get("reduce_bucket_size", 200_000_000)),
             param_persistence_threshold=int(node.get("param_persistence_threshold", 100_000)),
+            # Lightning's DeepSpeedStrategy defaults; the stage-3 gather knobs are not Lightning arguments, so
+            # DeepSpeed's own defaults apply (runtime/zero/config.py).
+            overlap_comm=bool(node.get("overlap_comm", True)),
+            contiguous_gradients=bool(node.get("contiguous_gradients", True)),
         )
     if "fsdp" in name.lower() or "fsdp" in target.lower() or "modelparallel" in target.lower():
         offload = any("offload" in str(k).lower() and v for d in _walk(node) for k, v in d.items())
@@ -151,12 +156,49 @@ def _devices(value: Any) -> int:
     )
 
 
+def check_compatible(
+    strategy: Any, trainer_precision: str, optimizer_target: str | None, on_cuda: bool, callbacks: Any = None
+) -> None:
+    """Refuse what ``train.py``'s pre-flight refuses (``app.preflight.RULES``), for the planned hardware.
+
+    The same rules run for the given config and for every search candidate, so ``plan.py`` refuses exactly what
+    ``train.py`` refuses and the search enumerates exactly what it accepts. Rules about this machine
+    (``Rule.machine_specific``: a system library) and the NVMe path checks are left to ``train.py`` on the machine
+    that trains.
+
+    Args:
+        strategy: the ``strategy`` node (``None``: Lightning's default).
+        trainer_precision: Lightning precision string.
+        optimizer_target: the optimizer's ``_target_``.
+        on_cuda: the planned hardware has CUDA devices (``hardware`` is not ``cpu``).
+        callbacks: the ``callbacks`` node (for callback rules).
+
+    Raises:
+        IncompatibleConfigError: the combination ``train.py`` would refuse, with its reason and fix.
+    """
+    from lightning_trainopt.app.preflight import RULES, PreflightInput
+
+    callback_nodes = _plain(callbacks) or {}
+    targets = tuple(str(v.get("_target_", "")) for v in callback_nodes.values() if isinstance(v, dict))
+    p = PreflightInput(
+        strategy=_plain(strategy) or None,
+        precision=trainer_precision,
+        optimizer_target=optimizer_target,
+        accelerator="gpu" if on_cuda else "cpu",
+        callback_targets=targets,
+    )
+    for rule in RULES:
+        if not rule.machine_specific and rule.applies(p):
+            raise IncompatibleConfigError(rule.keys(p), rule.reason, rule.fix)
+
+
 def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanInputs:
     """The planner's inputs for a composed ``train.py``/``plan.py`` config.
 
     Raises:
-        ConfigError: a value the planner cannot plan (e.g. ``trainer.devices=-1``, a foreign model).
-        IncompatibleConfigError: an 8-bit optimizer with ZeRO/FSDP offload.
+        ConfigError: a value the planner cannot plan (e.g. ``trainer.devices=-1``, a foreign model,
+            ``trainer.accumulate_grad_batches=0``).
+        IncompatibleConfigError: a combination ``train.py``'s pre-flight refuses (:func:`check_compatible`).
     """
     model = _plain(cfg.model)
     target = str(model.pop("_target_", "lightning_trainopt.models.GPTConfig"))
@@ -171,21 +213,25 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
     nodes = int(cfg.trainer.get("num_nodes", 1))
     layout = strategy_layout(cfg.get("strategy"), devices * nodes)
     optimizer = optimizer_from_cfg(cfg.optimizer)
-    if optimizer.bits != 32 and layout.offload_optimizer != "none":
-        raise IncompatibleConfigError(
-            {"optimizer": optimizer.name, "strategy": layout.name},
-            "offload runs DeepSpeed's own CPU Adam on fp32 states; 8-bit optimizers do not combine (DeepSpeed #6666).",
-            "use optimizer=adamw with offload, or an 8-bit optimizer without offload.",
+    trainer_precision = str(cfg.precision.trainer_precision)
+    on_cuda = hardware_from_cfg(cfg.get("hardware")).name != "cpu"
+    check_compatible(
+        cfg.get("strategy"), trainer_precision, str(cfg.optimizer.get("_target_", "")), on_cuda, cfg.get("callbacks")
+    )
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError(
+            "trainer.accumulate_grad_batches", accumulate, "use a positive integer (1 = no accumulation)."
         )
     return PlanInputs(
         model=gpt,
-        trainer_precision=str(cfg.precision.trainer_precision),
+        trainer_precision=trainer_precision,
         layout=layout,
         optimizer=optimizer,
         activations=activation_policy(cfg.get("activations"), activations_name),
         micro_batch=int(cfg.data.batch_size),
         seq_len=int(cfg.data.seq_len),
-        accumulate=int(cfg.trainer.get("accumulate_grad_batches", 1) or 1),
+        accumulate=accumulate,
         devices=devices,
         num_nodes=nodes,
         attention=str(cfg.get("plan", {}).get("attention", "sdpa")),

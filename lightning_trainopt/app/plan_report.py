@@ -56,15 +56,16 @@ def print_plan(result: PlanResult, top_k: int = 10, console: Console | None = No
         "[bold]peak", "'all' + max(backward, step + in_step)", "", "", f"[bold]{_g(e.peak_device_bytes)}", "", ""
     )
     console.print(table)
-    if e.fits is None:
+    if e.fits is None or e.device_memory_bytes is None:
         console.print("device memory unknown for this hardware: set hardware.memory_gb to get a verdict.")
     else:
         verdict = "[green]fits" if e.fits else "[red]does NOT fit"
+        usable = e.device_memory_bytes - e.headroom_bytes
+        head = f"{_g(usable)} GiB usable ({_g(e.device_memory_bytes)} GiB less {_g(e.headroom_bytes)} GiB headroom)"
         console.print(
-            f"{verdict}[/]: peak {_g(e.peak_device_bytes)} of {_g(e.device_memory_bytes)} GiB, margin "
-            f"{_g(e.margin_bytes)} GiB"
+            f"{verdict}[/]: peak {_g(e.peak_device_bytes)} of {head}, margin {_g(e.margin_bytes)} GiB"
             if e.fits
-            else f"{verdict}[/]: peak {_g(e.peak_device_bytes)} GiB of {_g(e.device_memory_bytes)} GiB"
+            else f"{verdict}[/]: peak {_g(e.peak_device_bytes)} GiB of {head}"
         )
     tb = result.textbook
     console.print(
@@ -95,9 +96,10 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
         "activations",
         "optimizer",
         "mb x acc",
-        "GiB/dev",
+        "peak GiB/dev",
         "tok/s/dev",
         "$/1B tok",
+        "speed",
         "why",
     ):
         table.add_column(col)
@@ -110,9 +112,10 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             c.choices["activations"],
             c.choices["optimizer"],
             f"{e.inputs.micro_batch} x {e.inputs.accumulate}",
-            _g(e.total_device_bytes),
+            _g(e.peak_device_bytes),
             _human(e.speed.tokens_per_sec_per_device, "", 4),
             _human(e.speed.usd_per_1b_tokens, "", 4),
+            "measured" if e.speed.source.startswith("measured") else "FLOPs x MFU",
             c.reason,
         )
     console.print(table)

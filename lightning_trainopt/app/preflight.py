@@ -116,6 +116,8 @@ class Rule:
     fix: str
     applies: Callable[[PreflightInput], bool] = field(compare=False)
     keys: Callable[[PreflightInput], dict[str, Any]] = field(compare=False)
+    #: about the machine running the check (e.g. its libaio), not the configuration: the planner skips it.
+    machine_specific: bool = False
 
 
 def _is_8bit(target: str | None) -> bool:
@@ -200,6 +202,7 @@ RULES: tuple[Rule, ...] = (
         "install it (apt-get install -y libaio-dev) or use zero3_offload (CPU).",
         lambda p: "nvme" in p.offload().values() and not _async_io_ok(),
         lambda p: {"strategy": p.preset, "async_io": "unavailable"},
+        machine_specific=True,
     ),
     Rule(
         "FSDP1 on CPU",

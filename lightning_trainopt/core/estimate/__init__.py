@@ -3,6 +3,7 @@
 from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
 from lightning_trainopt.core.estimate.measure import measure_activation_bytes
 from lightning_trainopt.core.estimate.model_states import (
+    ADAM_PATHS,
     StrategyLayout,
     estimate_model_states,
     param_dtype_bytes,
@@ -17,8 +18,10 @@ from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs, e
 from lightning_trainopt.core.estimate.search import Candidate, SearchSpace, rank_candidates, search_plans
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import CATEGORIES, LOCATIONS, MemoryEstimate, Term
+from lightning_trainopt.core.estimate.zero3_gather import gpt_module_trace, zero3_gathered_peak_numel
 
 __all__ = [
+    "ADAM_PATHS",
     "CATEGORIES",
     "LOCATIONS",
     "OPTIMIZER_STATES",
@@ -36,6 +39,7 @@ __all__ = [
     "estimate_plan",
     "estimate_speed",
     "estimate_transformer_activations",
+    "gpt_module_trace",
     "gpt_param_groups",
     "measure_activation_bytes",
     "optimizer_state_model",
@@ -43,4 +47,5 @@ __all__ = [
     "rank_candidates",
     "search_plans",
     "textbook_model_state_bytes",
+    "zero3_gathered_peak_numel",
 ]

@@ -7,9 +7,12 @@ the compute dtype:
 - each RMSNorm: its fp32 input (``x.float()``), ``rsqrt`` (1 value) and the normalised fp32 tensor: ``8d + 4``;
 - linear inputs: ``a·d`` per distinct input; under autocast every ``Linear`` casts its input again
   (3 copies for q/k/v, 2 for gate/up), without autocast q/k/v share one;
-- attention: rotated q and k, v, the output and the o_proj input: ``a·(3d + 2·d_kv)``, plus the fp32 log-sum-exp
-  ``4·H`` of SDPA's flash / memory-efficient kernels; the ``math`` kernel also keeps the ``H x T`` probabilities
-  (the quadratic term that flash kernels remove);
+- attention with SDPA's flash / memory-efficient kernels: rotated q and k, v, the output and the o_proj input:
+  ``a·(3d + 2·d_kv)``, plus the fp32 log-sum-exp ``4·H``; with the ``math`` kernel (measured on fake tensors under
+  ``sdpa_kernel(MATH)``, fp32, bf16 autocast and bf16 weights, MHA and GQA): q, k and v upcast to fp32 with k and v
+  expanded to all heads (``4·3d``; torch upcasts half inputs unless ``allow_fp16_bf16_reduction_math_sdp``), the fp32
+  probabilities ``4·H·T`` (the quadratic term that flash kernels remove) and the o_proj input ``a·d`` — no kernel
+  output and no log-sum-exp;
 - SwiGLU: gate output, ``silu(gate)``, up output and their product: ``4·F·a``.
 
 Outside the blocks: token ids (8 B), the final norm (``8d + 4``), the lm_head input (``a·d``), the fp32 log-softmax
@@ -113,17 +116,18 @@ def estimate_transformer_activations(
     # One block's saved tensors, as (bytes per element, elements) of each distinct tensor.
     block_tensors = [(4, bt * d), (4, bt), (4, bt * d)] * 2  # two RMSNorms: fp32 input, rsqrt, normalised
     block_tensors += [(a, bt * d)] * ((3 if autocast else 1) + (2 if autocast else 1))  # linear inputs
-    block_tensors += [
-        (a, bt * d),
-        (a, bt * dkv),
-        (a, bt * dkv),
-        (a, bt * d),
-        (a, bt * d),
-        (4, micro_batch * h * seq_len),
-    ]
-    block_tensors += [(a, bt * f)] * 4
     if attention == "math":
-        block_tensors += [(a, micro_batch * h * seq_len * seq_len)]
+        block_tensors += [(4, bt * d)] * 3 + [(4, micro_batch * h * seq_len * seq_len), (a, bt * d)]
+    else:
+        block_tensors += [
+            (a, bt * d),
+            (a, bt * dkv),
+            (a, bt * dkv),
+            (a, bt * d),
+            (a, bt * d),
+            (4, micro_batch * h * seq_len),
+        ]
+    block_tensors += [(a, bt * f)] * 4
     full_block = sum(saved(e, k) for e, k in block_tensors)
     ckpt_block = saved(stream, bt * d)
     n_ckpt = 0 if policy.checkpoint_every == 0 else math.ceil(cfg.n_layers / policy.checkpoint_every)

@@ -15,6 +15,15 @@ Sources read for every rule (deepspeed 0.19, lightning 2.6, torch 2.13):
   under ``param_persistence_threshold`` elements also stay gathered on every rank; gradient partitions in
   ``gradient_accumulation_dtype`` (the model dtype); fp32 master copy unless the model is already fp32 on device.
 - FSDP2 (``fully_shard``): parameters, gradients and optimizer states sharded by world size in the parameters' dtype.
+- torch Adam/AdamW inside ``step()`` (``torch/optim/adam.py``): the fused kernel makes no temporary; the multi-tensor
+  path (CUDA default when not fused) makes ``_foreach_sqrt(exp_avg_sqs)``, one temporary per state tensor of the
+  param group being stepped; the single-tensor path (CPU) makes ``exp_avg_sq.sqrt()`` and its quotient, two
+  temporaries of one tensor at a time. DeepSpeed steps the client optimizer on each group's flat fp32 partition
+  (``_optimizer_step(i)``), so there the "tensor" is the whole partition of a group.
+- DeepSpeed reduce buckets: ZeRO-1/2 with ``contiguous_gradients`` allocate ``reduce_bucket_size`` elements of the
+  model dtype per buffer, two with ``overlap_comm`` (``setup_buckets``), at the first gradient hook of a backward, and
+  drop them at its end (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers`` and
+  ``_clear_param_grad_only``); ZeRO-3 allocates one such buffer at start-up and keeps it (``stage3.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +34,16 @@ from dataclasses import dataclass
 
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
+from lightning_trainopt.core.estimate.zero3_gather import zero3_gathered_peak_numel
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
-__all__ = ["StrategyLayout", "estimate_model_states", "param_dtype_bytes"]
+__all__ = ["ADAM_PATHS", "StrategyLayout", "estimate_model_states", "param_dtype_bytes"]
 
 _KINDS = ("single", "ddp", "fsdp", "deepspeed")
 _PLACES = ("none", "cpu", "nvme")
+#: How torch Adam/AdamW runs its step: ``fused`` kernel, ``foreach`` (multi-tensor) or ``single_tensor`` loop.
+ADAM_PATHS = ("fused", "foreach", "single_tensor")
+ModuleTrace = tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,11 @@ class StrategyLayout:
         offload_params: ``none``, ``cpu`` or ``nvme`` (ZeRO-3 and FSDP only).
         reduce_bucket_size: DeepSpeed gradient-reduction bucket, in elements (Lightning's default 2e8).
         param_persistence_threshold: ZeRO-3 keeps parameters smaller than this gathered on every rank (1e5).
+        overlap_comm: DeepSpeed double-buffers its reduce bucket (Lightning's default ``True``).
+        contiguous_gradients: DeepSpeed copies gradients into reduce buckets (Lightning's default ``True``).
+        prefetch_bucket_size: ZeRO-3 ``stage3_prefetch_bucket_size`` (DeepSpeed default 5e7 elements).
+        max_live_parameters: ZeRO-3 ``stage3_max_live_parameters`` (default 1e9).
+        max_reuse_distance: ZeRO-3 ``stage3_max_reuse_distance`` (default 1e9).
 
     Example::
 
@@ -58,6 +76,11 @@ class StrategyLayout:
     offload_params: str = "none"
     reduce_bucket_size: int = 200_000_000
     param_persistence_threshold: int = 100_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -112,7 +135,8 @@ def estimate_model_states(
     world_size: int,
     rank: int | None = None,
     accumulate: int = 1,
-    foreach: bool = False,
+    adam_path: str = "fused",
+    module_trace: ModuleTrace | None = None,
 ) -> MemoryEstimate:
     """Per-rank bytes of parameters, gradients and optimizer states.
 
@@ -125,33 +149,35 @@ def estimate_model_states(
         world_size: data-parallel ranks (devices x nodes).
         rank: the rank to account where ranks differ (ZeRO-2 gradient partitions); ``None``: the worst rank.
         accumulate: gradient accumulation steps; above 1, gradients live through the next forward too.
-        foreach: the torch optimizer runs its multi-tensor (``foreach``) path, the CUDA default, whose
-            ``_foreach_sqrt`` of the second moments is a temporary as large as those moments.
+        adam_path: how a torch Adam/AdamW runs its step (one of :data:`ADAM_PATHS`): ``fused`` makes no temporary,
+            ``foreach`` one as large as the second moments of the group stepped, ``single_tensor`` two as large as
+            one state tensor at a time. Ignored for other optimizers and under optimizer offload (DeepSpeed CPU Adam).
+        module_trace: forward order of the parameter-owning modules (``zero3_gather.gpt_module_trace``), for the
+            parameters ZeRO-3 holds gathered; ``None``: each parameter its own module, in ``param_groups`` order.
 
     Raises:
-        ConfigError: ``world_size`` below 1.
+        ConfigError: ``world_size`` below 1, unknown ``adam_path``.
     """
     if world_size < 1:
         raise ConfigError("trainer.devices", world_size, "plan for at least one device.")
+    if adam_path not in ADAM_PATHS:
+        raise ConfigError("adam_path", adam_path, f"use one of {', '.join(ADAM_PATHS)}.")
     w = world_size
     numels = [n for g in param_groups for n in g]
     n = sum(numels)
     wb, gb = param_dtype_bytes(trainer_precision, layout)
     grad_phase = "step" if accumulate == 1 else "all"
-    terms: list[Term] = []
+    terms: list[Term | None] = []
     if layout.kind in ("single", "ddp"):
         terms.append(Term("params", "device", f"{8 * wb}-bit weights", wb * n, f"{wb} B x {_gb(n)}"))
         terms.append(Term("grads", "device", f"{8 * gb}-bit .grad", gb * n, f"{gb} B x {_gb(n)}", phase=grad_phase))
-        if foreach and optimizer.bits == 32 and optimizer.n_states == 2:
-            terms.append(
-                Term("other", "device", "foreach Adam sqrt temporary", wb * n, f"{wb} B x {_gb(n)}", phase="in_step")
-            )
+        terms.append(_adam_temporary(optimizer, adam_path, [list(g) for g in param_groups], wb, "device"))
         terms.append(
             Term("optimizer_states", "device", optimizer.name, optimizer.bytes_for(numels, wb), optimizer.formula(wb))
         )
         if layout.kind == "ddp" and w > 1:
             terms.append(Term("other", "device", "DDP gradient buckets", gb * n, f"{gb} B x {_gb(n)}"))
-        return MemoryEstimate.of(terms)
+        return MemoryEstimate.of(t for t in terms if t is not None)
     if layout.kind == "fsdp":
         shards = [math.ceil(k / w) for k in numels]
         s = sum(shards)
@@ -163,8 +189,32 @@ def estimate_model_states(
         terms.append(
             Term("optimizer_states", where, optimizer.name, optimizer.bytes_for(shards, wb), optimizer.formula(wb))
         )
-        return MemoryEstimate.of(terms)
-    return _deepspeed(param_groups, numels, n, wb, layout, optimizer, w, rank, accumulate)
+        shard_groups = [[math.ceil(k / w) for k in g] for g in param_groups]
+        terms.append(_adam_temporary(optimizer, adam_path, shard_groups, wb, where))
+        return MemoryEstimate.of(t for t in terms if t is not None)
+    trace = module_trace or tuple(((i, k),) for i, k in enumerate(numels))
+    return _deepspeed(param_groups, numels, n, wb, layout, optimizer, w, rank, accumulate, adam_path, trace)
+
+
+def _adam_temporary(
+    optimizer: OptimizerStateModel, adam_path: str, groups: Sequence[Sequence[int]], param_bytes: int, where: str
+) -> Term | None:
+    """The temporaries torch Adam/AdamW makes inside ``step()`` (``torch/optim/adam.py``), or ``None``.
+
+    ``groups`` are the tensors the optimizer steps, one list per param group (DeepSpeed: one flat partition each).
+    """
+    if optimizer.name not in ("adam", "adamw") or adam_path == "fused":
+        return None  # torch Adam/AdamW only: 8-bit kernels and DeepSpeed's CPU Adam update in place
+    s = optimizer.state_dtype_bytes or param_bytes
+    if adam_path == "foreach":
+        # _foreach_sqrt(exp_avg_sqs): one new tensor per state of the param group being stepped (_multi_tensor_adam).
+        big = max((sum(g) for g in groups), default=0)
+        return Term("other", where, "Adam foreach sqrt temporary", s * big, f"{s} B x {_gb(big)}", phase="in_step")
+    # exp_avg_sq.sqrt() / bias_correction2_sqrt: sqrt and quotient coexist, one tensor at a time (_single_tensor_adam).
+    big = max((k for g in groups for k in g), default=0)
+    return Term(
+        "other", where, "Adam sqrt/div temporaries (largest tensor)", 2 * s * big, f"2 x {s} B x {_gb(big)}", "in_step"
+    )
 
 
 def _fp32_grad_partition(part: int, n: int, w: int, where: str) -> Term:
@@ -200,8 +250,10 @@ def _deepspeed(
     w: int,
     rank: int | None,
     accumulate: int,
+    adam_path: str,
+    trace: ModuleTrace,
 ) -> MemoryEstimate:
-    terms: list[Term] = []
+    terms: list[Term | None] = []
     opt_where = _where(layout.offload_optimizer)
     if layout.zero_stage in (1, 2):
         # Each param group is one flat buffer padded to a multiple of 2 x world (nccl_start_alignment_factor).
@@ -263,13 +315,11 @@ def _deepspeed(
         terms.append(
             Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for(parts, 4), optimizer.formula(4))
         )
-        bucket = min(layout.reduce_bucket_size, n)
-        terms.append(
-            Term(
-                "other", "device", "reduce bucket", h * bucket, f"{h} B x min(reduce_bucket_size, N)", phase="backward"
-            )
-        )
-        return MemoryEstimate.of(terms)
+        if opt_where == "device":
+            # The client optimizer steps group by group on the flat fp32 partition (one tensor per group).
+            terms.append(_adam_temporary(optimizer, adam_path, [[p] for p in parts], 4, "device"))
+        terms.append(_reduce_buckets(layout, h, n))
+        return MemoryEstimate.of(t for t in terms if t is not None)
     shards = [math.ceil(k / w) for k in numels]
     part = sum(shards)
     persistent = sum(k for k in numels if k < layout.param_persistence_threshold)
@@ -293,7 +343,61 @@ def _deepspeed(
     terms.append(
         Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for([part], 4), optimizer.formula(4))
     )
-    return MemoryEstimate.of(terms)
+    if opt_where == "device":
+        # One sub-group per param group (Lightning's sub_group_size 1e12): the optimizer steps each flat partition.
+        group_parts = [sum(math.ceil(k / w) for k in g) for g in param_groups]
+        terms.append(_adam_temporary(optimizer, adam_path, [[p] for p in group_parts], 4, "device"))
+    if layout.contiguous_gradients:
+        # stage3.py allocates the bucket once, after the optimizer states, on the device, and keeps it.
+        bucket = layout.reduce_bucket_size
+        terms.append(Term("other", "device", "reduce bucket", h * bucket, f"{h} B x reduce_bucket_size {bucket:,}"))
+    gathered = zero3_gathered_peak_numel(
+        trace,
+        layout.param_persistence_threshold,
+        layout.prefetch_bucket_size,
+        layout.max_live_parameters,
+        layout.max_reuse_distance,
+    )
+    terms.append(
+        Term(
+            "other",
+            "device",
+            "gathered params (fetched + prefetched + kept for reuse)",
+            h * gathered,
+            f"{h} B x {_gb(gathered)} (replay of DeepSpeed's fetch/prefetch/reuse rules)",
+            phase="backward",
+        )
+    )
+    largest = max((k for k in numels if k >= layout.param_persistence_threshold), default=0)
+    terms.append(
+        Term(
+            "other",
+            "device",
+            "full gradient of one param before its reduce",
+            h * largest,
+            f"{h} B x {_gb(largest)} (largest param)",
+            phase="backward",
+        )
+    )
+    return MemoryEstimate.of(t for t in terms if t is not None)
+
+
+def _reduce_buckets(layout: StrategyLayout, h: int, n: int) -> Term:
+    """ZeRO-1/2 gradient-reduction buffers (``stage_1_and_2.py`` ``setup_buckets``), alive during backward."""
+    if not (layout.contiguous_gradients or layout.offload_optimizer != "none"):
+        # Without contiguous buffers each bucket's gradients are flattened into one transient of at most its size.
+        bucket = min(layout.reduce_bucket_size, n)
+        return Term("other", "device", "reduce flatten", h * bucket, f"{h} B x min(reduce_bucket_size, N)", "backward")
+    copies = 2 if layout.overlap_comm else 1
+    size = layout.reduce_bucket_size
+    return Term(
+        "other",
+        "device",
+        f"reduce bucket{'s (double-buffered: overlap_comm)' if copies == 2 else ''}",
+        copies * h * size,
+        f"{copies} x {h} B x reduce_bucket_size {size:,}",
+        phase="backward",
+    )
 
 
 def textbook_model_state_bytes(n_params: int, scheme: str) -> dict[str, int]:

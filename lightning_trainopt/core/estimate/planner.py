@@ -9,6 +9,7 @@ from lightning_trainopt.core.estimate.model_states import StrategyLayout, estima
 from lightning_trainopt.core.estimate.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import MemoryEstimate
+from lightning_trainopt.core.estimate.zero3_gather import gpt_module_trace
 from lightning_trainopt.core.flops import transformer_flops
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
@@ -46,7 +47,8 @@ class PlanInputs:
         devices: devices per node.
         num_nodes: nodes.
         attention: ``sdpa`` or ``math``.
-        foreach: torch optimizers take their multi-tensor path (the default on CUDA devices).
+        adam_path: how torch Adam/AdamW runs its step (``fused``, ``foreach``, ``single_tensor``; see
+            ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
     """
 
     model: GPTConfig
@@ -60,7 +62,7 @@ class PlanInputs:
     devices: int = 1
     num_nodes: int = 1
     attention: str = "sdpa"
-    foreach: bool = False
+    adam_path: str = "fused"
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -94,6 +96,8 @@ class PlanEstimate:
         speed: step time, tokens/s and dollars.
         device_memory_bytes: memory of one device (``None`` when unknown).
         train_flops_per_token: FLOPs the hardware executes per token (recomputation included).
+        headroom_bytes: device memory kept free for what the planner does not count (CUDA context, NCCL buffers,
+            allocator fragmentation); ``fits`` needs the peak to fit in the rest.
     """
 
     inputs: PlanInputs
@@ -101,6 +105,7 @@ class PlanEstimate:
     speed: SpeedEstimate
     device_memory_bytes: int | None
     train_flops_per_token: float
+    headroom_bytes: int = 0
 
     @property
     def total_device_bytes(self) -> int:
@@ -114,14 +119,17 @@ class PlanEstimate:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the predicted peak fits the device's memory (``None`` when that memory is unknown)."""
+        """Whether the predicted peak fits the device's memory less the headroom (``None`` when unknown)."""
         if self.device_memory_bytes is None:
             return None
-        return self.peak_device_bytes <= self.device_memory_bytes
+        return self.peak_device_bytes <= self.device_memory_bytes - self.headroom_bytes
 
     @property
     def margin_bytes(self) -> int | None:
-        return None if self.device_memory_bytes is None else self.device_memory_bytes - self.peak_device_bytes
+        """Usable memory (device memory less headroom) left over at the predicted peak; negative: does not fit."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.device_memory_bytes - self.headroom_bytes - self.peak_device_bytes
 
 
 def estimate_plan(
@@ -132,6 +140,7 @@ def estimate_plan(
     mfu: float = 0.4,
     target_tokens: float = 1e9,
     measured_tokens_per_sec_per_device: float | None = None,
+    headroom_fraction: float = 0.0,
 ) -> PlanEstimate:
     """Estimate memory, speed and cost of one configuration.
 
@@ -143,7 +152,14 @@ def estimate_plan(
         mfu: assumed fraction of the peak sustained.
         target_tokens: tokens to train, for time and dollars to target.
         measured_tokens_per_sec_per_device: a measured figure that replaces the FLOPs model.
+        headroom_fraction: share of the device memory kept free (CUDA context, NCCL, fragmentation), in [0, 1).
+
+    Raises:
+        ConfigError: ``headroom_fraction`` outside [0, 1).
     """
+    if not 0 <= headroom_fraction < 1:
+        raise ConfigError("plan.headroom_fraction", headroom_fraction, "use a fraction in [0, 1), e.g. 0.05.")
+    m = inputs.model
     states = estimate_model_states(
         gpt_param_groups(inputs.model),
         inputs.trainer_precision,
@@ -151,7 +167,10 @@ def estimate_plan(
         inputs.optimizer,
         inputs.world_size,
         accumulate=inputs.accumulate,
-        foreach=inputs.foreach,
+        adam_path=inputs.adam_path,
+        module_trace=gpt_module_trace(
+            m.vocab_size, m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden, m.n_layers, m.tie_embeddings
+        ),
     )
     acts = estimate_transformer_activations(
         inputs.model,
@@ -177,4 +196,5 @@ def estimate_plan(
         target_tokens,
         measured_tokens_per_sec_per_device,
     )
-    return PlanEstimate(inputs, states + acts, speed, device_memory_bytes, per_token)
+    headroom = int(headroom_fraction * device_memory_bytes) if device_memory_bytes else 0
+    return PlanEstimate(inputs, states + acts, speed, device_memory_bytes, per_token, headroom)

@@ -109,7 +109,8 @@ def search_plans(
     base: PlanInputs,
     space: SearchSpace,
     estimate: Callable[[PlanInputs], PlanEstimate],
-    foreach_for: Callable[[str], bool] | None = None,
+    adam_path_for: Callable[[PlanInputs], str] | None = None,
+    allowed: Callable[[dict[str, str], PlanInputs], bool] | None = None,
 ) -> tuple[list[Candidate], int]:
     """Enumerate the space around ``base`` (model, devices, sequence length and global batch kept).
 
@@ -117,8 +118,10 @@ def search_plans(
         base: the user's configuration.
         space: the options.
         estimate: ``inputs -> PlanEstimate`` with the hardware bound in.
-        foreach_for: ``trainer_precision -> bool``, whether torch Adam takes its foreach path for a candidate's
-            precision (fp16 with clipping cannot use the fused kernel); ``None`` keeps ``base.foreach``.
+        adam_path_for: ``inputs -> adam_path``, how torch Adam runs its step for a candidate (fused, foreach under
+            DeepSpeed on CUDA, ...); ``None`` keeps ``base.adam_path``.
+        allowed: ``(choices, inputs) -> bool``, whether ``train.py`` accepts the combination (the app passes the
+            pre-flight rules, so the search enumerates exactly what training runs); ``None`` allows all.
 
     Returns:
         (fitting candidates ranked best first, number enumerated).
@@ -137,10 +140,7 @@ def search_plans(
             continue
         if lay.kind == "ddp" and base.world_size == 1:
             continue
-        if opt.bits != 32 and lay.kind in ("deepspeed", "fsdp"):
-            # 8-bit optimizer states do not combine with ZeRO/FSDP sharding or offload (DeepSpeed #6666).
-            continue
-        n += 1
+        choices = {"precision": pn, "strategy": sn, "activations": an, "optimizer": on}
         inputs = replace(
             base,
             trainer_precision=prec,
@@ -149,7 +149,11 @@ def search_plans(
             optimizer=opt,
             micro_batch=mb,
             accumulate=global_seqs // (mb * base.world_size),
-            foreach=foreach_for(prec) if foreach_for else base.foreach,
         )
-        out.append(Candidate({"precision": pn, "strategy": sn, "activations": an, "optimizer": on}, estimate(inputs)))
+        if adam_path_for is not None:
+            inputs = replace(inputs, adam_path=adam_path_for(inputs))
+        if allowed is not None and not allowed(choices, inputs):
+            continue
+        n += 1
+        out.append(Candidate(choices, estimate(inputs)))
     return rank_candidates(out), n

@@ -1,4 +1,4 @@
-"""plan.search: enumeration holds the global batch, drops what does not fit, ranks by dollars then simplicity."""
+"""plan.search: enumeration holds the global batch, drops what does not fit or is not allowed, ranks by dollars."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ SPACE = SearchSpace(
 )
 
 
-def _run(memory_gib: float):
+def _run(memory_gib: float, allowed=None):
     base = PlanInputs(MODEL, micro_batch=2, accumulate=4, seq_len=2048, devices=4)
     est = partial(
         estimate_plan, device_memory_bytes=int(memory_gib * 2**30), peak_flops=312e12, price_per_device_hour=4.8
     )
-    return search_plans(base, SPACE, est)
+    return search_plans(base, SPACE, est, allowed=allowed)
 
 
 def test_everything_ranked_fits_and_keeps_global_batch():
@@ -44,7 +44,6 @@ def test_everything_ranked_fits_and_keeps_global_batch():
         i = c.estimate.inputs
         assert c.estimate.fits
         assert i.micro_batch * i.accumulate * i.world_size == 2 * 4 * 4
-        assert not (i.optimizer.bits != 32 and i.layout.kind == "deepspeed")  # 8-bit x ZeRO refused
     costs = [c.estimate.speed.usd_per_1b_tokens for c in ranked]
     assert costs == sorted(costs)
 
@@ -62,3 +61,26 @@ def test_nothing_fits_on_a_tiny_device():
     ranked, n = _run(0.5)
     assert ranked == []
     assert n > 0
+
+
+def test_8bit_optimizers_are_enumerated_with_zero_and_the_allowed_rule_decides():
+    _, n_all = _run(80)
+    ranked, _ = _run(80)
+    assert any(c.choices["optimizer"] == "adamw8bit" and c.choices["strategy"] == "zero2" for c in ranked)
+
+    def no_8bit_zero3(choices, inputs):
+        return not (choices["optimizer"] == "adamw8bit" and choices["strategy"] == "zero3")
+
+    ranked_rule, n_rule = _run(80, allowed=no_8bit_zero3)
+    assert n_rule < n_all  # refused candidates are not even enumerated
+    assert not any(c.choices["optimizer"] == "adamw8bit" and c.choices["strategy"] == "zero3" for c in ranked_rule)
+
+
+def test_adam_path_for_sets_each_candidates_step_path():
+    base = PlanInputs(MODEL, micro_batch=2, accumulate=4, seq_len=2048, devices=4)
+    est = partial(estimate_plan, device_memory_bytes=None, peak_flops=312e12, price_per_device_hour=4.8)
+    ranked, _ = search_plans(
+        base, SPACE, est, adam_path_for=lambda i: "foreach" if i.layout.kind == "deepspeed" else "fused"
+    )
+    for c in ranked:
+        assert c.estimate.inputs.adam_path == ("foreach" if c.estimate.inputs.layout.kind == "deepspeed" else "fused")

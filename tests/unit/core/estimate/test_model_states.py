@@ -1,4 +1,5 @@
-"""Model-state bytes: the design articles' arithmetic, and each implementation's real layout."""
+"""Model-state bytes: the design articles' arithmetic, and each implementation's real layout (incl. step temporaries,
+reduce buckets and ZeRO-3's gathered parameters)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def test_offload_moves_optimizer_and_fp32_grads_to_cpu():
     # No half gradient partition on the device (DeepSpeed never allocates grads_in_partition under offload),
     # only a staging buffer the size of the largest parameter; a bf16 copy of the partition lives on the CPU.
     assert est.bytes("grads") == 0
-    assert est.bytes("other") == 2 * 1000 + 2 * 1000  # staging buffer + reduce bucket (min(bucket, N))
+    # staging buffer + two reduce buckets of reduce_bucket_size (offload forces contiguous_gradients; overlap_comm)
+    assert est.bytes("other") == 2 * 1000 + 2 * 2 * 200_000_000
     assert est.bytes("other", "cpu") == 2 * 500
 
 
@@ -185,3 +187,91 @@ def test_transient_terms_are_in_the_peak_but_not_resident():
     layout = StrategyLayout(kind="deepspeed", zero_stage=2)
     est = estimate_model_states([[1000]], "bf16-mixed", layout, ADAMW, 2)
     assert est.bytes("grads") - est.bytes("grads", resident_only=True) == 4 * 500  # fp32 partition inside step()
+
+
+# ---------------------------------------------------------------- optimizer-step temporaries (torch/optim/adam.py)
+
+
+def _temps(est):
+    return {t.label: t.nbytes for t in est.terms if t.phase == "in_step" and t.category == "other"}
+
+
+@pytest.mark.parametrize(("stage", "threshold"), [(1, 100_000), (2, 100_000), (3, 0)])
+def test_deepspeed_foreach_adam_makes_a_temporary_the_size_of_the_fp32_partition(stage, threshold):
+    layout = StrategyLayout(
+        kind="deepspeed", zero_stage=stage, param_persistence_threshold=threshold, reduce_bucket_size=100
+    )
+    groups = [[4000, 4000], [8]]
+    fused = estimate_model_states(groups, "bf16-mixed", layout, ADAMW, 2, adam_path="fused")
+    foreach = estimate_model_states(groups, "bf16-mixed", layout, ADAMW, 2, adam_path="foreach")
+    single = estimate_model_states(groups, "bf16-mixed", layout, ADAMW, 2, adam_path="single_tensor")
+    # The client AdamW steps one group's flat fp32 partition at a time: group 0 holds 8000 / 2 elements per rank.
+    assert _temps(fused) == {}
+    assert sum(_temps(foreach).values()) == 4 * 4000
+    assert sum(_temps(single).values()) == 2 * 4 * 4000  # sqrt and the quotient coexist on the CPU path
+    assert foreach.bytes("other") - fused.bytes("other") == 4 * 4000
+    assert foreach.bytes("other", resident_only=True) == fused.bytes("other", resident_only=True)
+
+
+def test_offloaded_optimizer_makes_no_device_temporary():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2, offload_optimizer="cpu")
+    est = estimate_model_states(
+        [[4000]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2, adam_path="foreach"
+    )
+    assert _temps(est) == {}
+
+
+def test_fsdp_temporary_is_per_shard_and_absent_with_the_fused_kernel():
+    groups = [[4000, 2000]]
+    lay = StrategyLayout(kind="fsdp")
+    assert _temps(estimate_model_states(groups, "bf16-mixed", lay, ADAMW, 4, adam_path="fused")) == {}
+    foreach = estimate_model_states(groups, "bf16-mixed", lay, ADAMW, 4, adam_path="foreach")
+    single = estimate_model_states(groups, "bf16-mixed", lay, ADAMW, 4, adam_path="single_tensor")
+    assert sum(_temps(foreach).values()) == 4 * (1000 + 500)  # all shards of the group at once
+    assert sum(_temps(single).values()) == 2 * 4 * 1000  # the largest shard, two temporaries
+
+
+def test_ddp_single_tensor_temporary_follows_the_largest_tensor_in_its_dtype():
+    est = estimate_model_states([[3000, 10], [5]], "bf16-true", StrategyLayout(), ADAMW, 1, adam_path="single_tensor")
+    assert sum(_temps(est).values()) == 2 * 2 * 3000  # bf16 states: zeros_like(param)
+
+
+def test_8bit_optimizer_makes_no_adam_temporary():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2)
+    est = estimate_model_states([[8192]], "bf16-mixed", layout, OPTIMIZER_STATES["adamw8bit"], 2, adam_path="foreach")
+    assert _temps(est) == {}
+
+
+def test_unknown_adam_path_is_refused():
+    with pytest.raises(ConfigError, match="adam_path"):
+        estimate_model_states([[1]], "32-true", StrategyLayout(), ADAMW, 1, adam_path="turbo")
+
+
+# ---------------------------------------------------------------- DeepSpeed reduce buckets and ZeRO-3 gathering
+
+
+@pytest.mark.parametrize(("overlap", "copies"), [(True, 2), (False, 1)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_reduce_buckets_are_full_size_and_double_with_overlap_comm(stage, overlap, copies):
+    layout = StrategyLayout(kind="deepspeed", zero_stage=stage, reduce_bucket_size=50_000_000, overlap_comm=overlap)
+    est = estimate_model_states([[1000]], "bf16-mixed", layout, ADAMW, 2)
+    buckets = [t for t in est.terms if t.label.startswith("reduce bucket")]
+    # torch.empty(int(reduce_bucket_size)) per buffer, whatever the model size (stage_1_and_2.py setup_buckets)
+    assert [(t.nbytes, t.phase) for t in buckets] == [(copies * 2 * 50_000_000, "backward")]
+
+
+def test_zero3_keeps_one_reduce_bucket_and_the_gathered_working_set():
+    layout = StrategyLayout(
+        kind="deepspeed",
+        zero_stage=3,
+        reduce_bucket_size=1000,
+        param_persistence_threshold=100,
+        prefetch_bucket_size=0,
+        max_reuse_distance=0,
+    )
+    est = estimate_model_states([[4000, 3000, 10]], "bf16-mixed", layout, ADAMW, 2)
+    other = {t.label: (t.nbytes, t.phase) for t in est.terms if t.category == "other"}
+    assert other["reduce bucket"] == (2 * 1000, "all")
+    # No prefetch, no reuse: one parameter gathered at a time, the largest; its full gradient before the reduce.
+    assert other["gathered params (fetched + prefetched + kept for reuse)"] == (2 * 4000, "backward")
+    assert other["full gradient of one param before its reduce"] == (2 * 4000, "backward")
