@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_trainopt.techniques.checkpointing import (
@@ -18,6 +18,9 @@ from lightning_trainopt.techniques.checkpointing import (
 )
 
 __all__ = ["ActivationCheckpointing"]
+
+# The Hydra node of conf/activations/checkpoint*.yaml: activations.activation_checkpointing.<argument>.
+KEY_PREFIX = "activations.activation_checkpointing"
 
 
 class ActivationCheckpointing(Callback):
@@ -33,10 +36,13 @@ class ActivationCheckpointing(Callback):
         every_k: wrap every k-th of the chosen modules (2: half the blocks, trading memory for less recompute).
 
     With neither ``module_classes`` nor ``names`` the transformer blocks are found as the model's largest
-    ``nn.ModuleList`` of same-class modules.
+    ``nn.ModuleList`` of same-class modules. A model that checkpoints itself (Hugging Face's
+    ``gradient_checkpointing_enable()``) is left alone with a warning: a second wrap saves nothing and recomputes
+    twice.
 
     Raises:
-        ConfigError: a bad ``every_k``, both selectors given, or (at fit start) a policy that matches nothing.
+        ConfigError: a bad ``every_k``, both selectors given, or (at fit start) a policy that matches nothing, a
+            class name or name pattern that matches nothing, or ``every_k > 1`` over one shared (weight-tied) block.
 
     Example::
 
@@ -53,18 +59,30 @@ class ActivationCheckpointing(Callback):
             module_classes=tuple(module_classes or ()),
             names=tuple(names or ()),
             every_k=every_k,
-            key_prefix="activations.checkpoint",
+            key_prefix=KEY_PREFIX,
         )
         self.plan: CheckpointPlan | None = None
 
     @property
     def recomputed_fraction(self) -> float:
-        """Share of the forward pass's matmul FLOPs recomputed in backward (0 before fit), for HFU."""
+        """Share of the forward pass's weight-matmul FLOPs recomputed in backward, 0..1 (0 before fit), for HFU.
+
+        Counted over every weight that multiplies activations (``nn.Linear``, ``Conv1D``, attention projections, ...;
+        see :class:`~lightning_trainopt.techniques.checkpointing.CheckpointPlan`), per call of a shared block.
+        """
         return self.plan.recomputed_fraction if self.plan is not None else 0.0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.plan = apply_activation_checkpointing(pl_module, self.policy)
+        if self.plan.self_checkpointed:
+            rank_zero_warn(
+                f"ActivationCheckpointing wraps nothing: {list(self.plan.self_checkpointed[:4])} already checkpoint "
+                "themselves (gradient_checkpointing=True); a second checkpoint would save nothing and recompute the "
+                "blocks twice. Remove activations=checkpoint, or call gradient_checkpointing_disable() to use ours.",
+                category=UserWarning,
+            )
+            return
         rank_zero_info(
             f"ActivationCheckpointing: {len(self.plan.wrapped)} of {self.plan.n_candidates} modules checkpointed "
             f"({', '.join(self.plan.wrapped[:4])}{', ...' if len(self.plan.wrapped) > 4 else ''}); "
@@ -82,7 +100,14 @@ class ActivationCheckpointing(Callback):
             remove_activation_checkpointing(pl_module, self.plan.wrapped)
 
     def summary(self) -> dict[str, Any]:
-        """``{"activation_checkpointing": {wrapped, candidates, every_k, recomputed_fraction, flops_factor}}``."""
+        """``{"activation_checkpointing": {wrapped, candidates, every_k, recomputed_fraction, flops_factor,
+        self_checkpointed}}``.
+
+        ``wrapped``: modules this callback checkpointed; ``candidates``: modules the policy chose from;
+        ``recomputed_fraction``: share of the forward's weight-matmul FLOPs recomputed in backward (0..1), also when
+        the model checkpoints itself (``self_checkpointed`` lists those modules; ``wrapped`` is then 0);
+        ``flops_factor``: hardware / model FLOPs of a step, ``1 + recomputed_fraction / 3``.
+        """
         if self.plan is None:
             return {}
         return {
@@ -92,5 +117,6 @@ class ActivationCheckpointing(Callback):
                 "every_k": self.policy.every_k,
                 "recomputed_fraction": self.plan.recomputed_fraction,
                 "flops_factor": self.plan.flops_factor,
+                "self_checkpointed": list(self.plan.self_checkpointed),
             }
         }

@@ -9,6 +9,9 @@ from lightning_trainopt.techniques.compression import Int8Compressor
 
 __all__ = ["ActivationCompression"]
 
+# The Hydra node of conf/activations/int8.yaml: activations.activation_compression.<argument>.
+KEY_PREFIX = "activations.activation_compression"
+
 
 class ActivationCompression(_SavedTensorsTransformCallback):
     """8-bit compression of saved activations through ``saved_tensors_hooks`` (lossy: gradients change slightly).
@@ -23,6 +26,8 @@ class ActivationCompression(_SavedTensorsTransformCallback):
         bits: only 8.
         block_size: elements per scale.
         min_numel: smallest storage worth compressing (elements).
+        max_abs: storages holding a non-finite value or one of at least this magnitude (attention-mask values such
+            as ``finfo.min``) are kept uncompressed: int8 blocks cannot represent them (see :class:`Int8Compressor`).
 
     Raises:
         ConfigError: ``bits`` other than 8, or a size that is not a positive integer.
@@ -35,20 +40,29 @@ class ActivationCompression(_SavedTensorsTransformCallback):
 
     name = "activation_compression"
 
-    def __init__(self, bits: int = 8, block_size: int = 64, min_numel: int = 1024) -> None:
+    def __init__(self, bits: int = 8, block_size: int = 64, min_numel: int = 1024, max_abs: float = 1e4) -> None:
         super().__init__()
         self.bits = bits
         self.block_size = block_size
         self.min_numel = min_numel
+        self.max_abs = max_abs
         self.transform: Int8Compressor = self.make_transform()  # validates the arguments now
 
     def make_transform(self) -> Int8Compressor:
         return Int8Compressor(
-            bits=self.bits, block_size=self.block_size, min_numel=self.min_numel, key_prefix="activations.int8"
+            bits=self.bits,
+            block_size=self.block_size,
+            min_numel=self.min_numel,
+            max_abs=self.max_abs,
+            key_prefix=KEY_PREFIX,
         )
 
     def summary(self) -> dict[str, Any]:
-        """``{"activation_compression": {bits, block_size, compressed_storages, shared_views, passed}}`` (totals)."""
+        """``{"activation_compression": {bits, block_size, compressed_storages, shared_views, passed, out_of_range}}``.
+
+        Totals over the fit; ``passed`` counts every saved tensor kept as it was, ``out_of_range`` those of them kept
+        because they held a non-finite value or one of magnitude ``>= max_abs``.
+        """
         return {
             "activation_compression": {
                 "bits": self.bits,
@@ -56,5 +70,6 @@ class ActivationCompression(_SavedTensorsTransformCallback):
                 "compressed_storages": self.transform.n_compressed,
                 "shared_views": self.transform.n_shared,
                 "passed": self.transform.n_passed,
+                "out_of_range": self.transform.n_out_of_range,
             }
         }

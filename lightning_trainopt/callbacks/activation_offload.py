@@ -17,6 +17,8 @@ from lightning_trainopt.techniques.offload import CpuOffloader
 __all__ = ["ActivationOffload"]
 
 _TRANSFORM_CALLBACKS = ("ActivationOffload", "ActivationCompression")
+# The Hydra node of conf/activations/offload.yaml: activations.activation_offload.<argument>.
+KEY_PREFIX = "activations.activation_offload"
 
 
 class _SavedTensorsTransformCallback(Callback):
@@ -103,7 +105,7 @@ class ActivationOffload(_SavedTensorsTransformCallback):
         self.transform: CpuOffloader = self.make_transform()  # validates the arguments now
 
     def make_transform(self) -> CpuOffloader:
-        return CpuOffloader(pin_memory=self.pin_memory, min_numel=self.min_numel, key_prefix="activations.offload")
+        return CpuOffloader(pin_memory=self.pin_memory, min_numel=self.min_numel, key_prefix=KEY_PREFIX)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
+from lightning_trainopt.core.memory_accounting import tensor_leaves
 from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.techniques.micro_batch import MicroBatchPlan, divisors, fit_linear_bytes, plan_micro_batch
-from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
 
 __all__ = ["MicroBatchFinder"]
 
@@ -23,12 +25,50 @@ ForwardFn = Callable[[pl.LightningModule, Any], Any]
 _KEY = "callbacks.micro_batch_finder"
 
 
-def _default_forward(module: pl.LightningModule, batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)):
-        return module(batch[0])
-    if isinstance(batch, dict):
-        return module(**batch)
-    return module(batch)
+def _default_step(module: pl.LightningModule, batch: Any) -> Any:
+    """The module's own ``training_step``: forward *and* loss (a large vocabulary's saved log-softmax is often the
+    biggest activation), exactly as the fit loop runs it."""
+    return module.training_step(batch, 0)
+
+
+@contextmanager
+def _measuring(trainer: pl.Trainer, module: pl.LightningModule) -> Iterator[None]:
+    """Run a measured step as the fit loop would: inside the precision plugin's context (autocast for ``*-mixed``,
+    the default dtype for ``*-true``), with ``self.log`` silenced (the fit loop's results must not see trial steps,
+    and ``log(sync_dist=True)`` would start a collective some ranks might not join)."""
+    module.__dict__["log"] = _no_log
+    module.__dict__["log_dict"] = _no_log
+    try:
+        with trainer.precision_plugin.train_step_context():
+            yield
+    finally:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out if out.numel() == 1 else out.float().mean()
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    raise ConfigError(
+        f"{_KEY}.forward_fn",
+        None,
+        f"the measured step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'; give a "
+        "forward_fn(module, batch) that returns the loss.",
+    )
+
+
+def _min_across_ranks(trainer: pl.Trainer, value: int, device: torch.device) -> int:
+    """The smallest ``value`` over all ranks (every rank must train the same micro-batch and accumulation)."""
+    if trainer.world_size <= 1:
+        return value
+    gathered = trainer.strategy.all_gather(torch.tensor([value], dtype=torch.int64, device=device))
+    return int(gathered.min().item())
 
 
 def _resize(batch: Any, n: int) -> Any:
@@ -43,16 +83,23 @@ def _resize(batch: Any, n: int) -> Any:
     return batch
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: ZeRO-3's partition, FSDP2's / tensor parallelism's local shard."""
+    t = getattr(t, "ds_tensor", t)
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _tensor_bytes(tensors: Any) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        local = getattr(t, "ds_tensor", t)  # ZeRO-3 keeps only this rank's partition
-        ptr = local.untyped_storage().data_ptr()
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        total += local.numel() * local.element_size()
+        for leaf in tensor_leaves(_local(t)):
+            ptr = leaf.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            total += leaf.numel() * leaf.element_size()
     return total
 
 
@@ -64,18 +111,46 @@ def _base_optimizer(trainer: pl.Trainer) -> torch.optim.Optimizer | None:
 
 
 def _probe_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """State bytes of one step of a fresh optimizer of the same class on zero-gradient copies of the parameters."""
+    """State bytes ``optimizer`` will hold after its first step, measured without touching the accelerator.
+
+    A fresh optimizer of the same class takes one step on the CPU over one zero copy per distinct (group, shape,
+    dtype) of the parameters (ZeRO-3's full ``ds_shape``, an FSDP2 shard's local shape); each copy's state bytes
+    count once for every parameter it stands for. A transformer's blocks repeat, so the probe holds about one block
+    (plus embeddings), never the whole model's states on the device this callback is meant to keep from running out
+    of memory.
+    """
     groups = []
+    weights: dict[int, int] = {}
     for group in optimizer.param_groups:
-        copies = []
+        copies: dict[tuple[Any, ...], torch.Tensor] = {}
         for p in group["params"]:
-            c = torch.zeros(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device=p.device, requires_grad=True)
-            c.grad = torch.zeros_like(c)
-            copies.append(c)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": copies})
+            shape = getattr(p, "ds_shape", None) or _local(p).shape  # FSDP2 shards: the local shard's shape
+            key = (tuple(shape), p.dtype)
+            if key not in copies:
+                c = torch.zeros(key[0], dtype=p.dtype, device="cpu", requires_grad=True)
+                c.grad = torch.zeros_like(c)
+                copies[key] = c
+            weights[id(copies[key])] = weights.get(id(copies[key]), 0) + 1
+        options = {k: v for k, v in group.items() if k not in ("params", "fused", "foreach", "capturable")}
+        groups.append({**options, "params": list(copies.values())})
     probe = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in ("lr",)})
     probe.step()
-    return optimizer_state_bytes(probe).state_bytes
+    total = 0
+    for group in probe.param_groups:
+        for c in group["params"]:
+            seen: set[int] = set()
+            own = 0
+            for value in probe.state.get(c, {}).values():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                for leaf in tensor_leaves(value):
+                    storage = leaf.untyped_storage()
+                    if storage.data_ptr() in seen:
+                        continue
+                    seen.add(storage.data_ptr())
+                    own += storage.nbytes()
+            total += own * weights[id(c)]
+    return total
 
 
 class MicroBatchFinder(Callback):
@@ -84,14 +159,23 @@ class MicroBatchFinder(Callback):
     Unlike Lightning's ``BatchSizeFinder`` (which changes the global batch), the global batch
     ``micro_batch x accumulate_grad_batches x world_size`` is kept; only divisors of the per-device batch are tried.
     At fit start the activation bytes saved for backward are measured at micro-batches 1 and 2 on a real batch
-    (``SavedTensorsCounter``) and fitted as ``constant + per_sample x micro``; model states are measured too
-    (parameters, gradients, and the optimizer's state from one probe step on zero copies, or ``model_state_bytes``).
+    (``SavedTensorsCounter``) and fitted as ``constant + per_sample x micro``. What is measured is the module's own
+    ``training_step`` (forward *and* loss), inside the precision plugin's context (autocast under ``bf16-mixed``),
+    as the fit loop runs it; ``self.log`` is silenced meanwhile. Model states are measured too (parameters,
+    gradients, and the optimizer's state from one probe step on the CPU over one zero copy per distinct parameter
+    shape, or ``model_state_bytes``). Measure after activation checkpointing is applied: put this callback after
+    :class:`ActivationCheckpointing`. Saved-tensor transforms (int8 compression) are not active during the
+    measurement, so with them the plan errs on the safe side.
 
     - On CPU the plan is checked against ``budget_bytes`` (required: the CPU has no allocator limit to probe).
     - On CUDA the budget defaults to ``budget_fraction`` of the device's total memory; the planned micro-batch is
       then confirmed by a forward/backward trial, stepping down on ``torch.OutOfMemoryError`` (not under DeepSpeed,
       whose gradient hooks must not see a trial backward; there the plan stands).
     - Under DeepSpeed the engine's ``train_micro_batch_size_per_gpu`` and accumulation are updated to match.
+    - With several ranks every rank takes the smallest micro-batch any rank chose (and trials step down together),
+      so all ranks run the same number of micro-batches per optimizer step.
+    - When the global batch has no divisor near the largest micro-batch that fits (a prime global batch falls
+      back to 1), it warns and names nearby global batches that divide better.
 
     Args:
         budget_bytes: memory budget per device in bytes.
@@ -99,10 +183,13 @@ class MicroBatchFinder(Callback):
         max_micro_batch: never go above this micro-batch.
         model_state_bytes: bytes of parameters + gradients + optimizer states per device, instead of measuring.
         batch_arg_name: the attribute holding the micro-batch (on the module, its hparams or the datamodule).
-        forward_fn: ``(module, batch) -> output`` used to measure (default: ``module(batch[0])`` for tuples).
+        forward_fn: ``(module, batch) -> loss`` used to measure, run inside the precision context (default: the
+            module's ``training_step(batch, 0)``). Required under manual optimisation, whose ``training_step``
+            steps the optimizers itself.
 
     Raises:
-        ConfigError: bad arguments; no budget on CPU; nothing fits; no ``batch_arg_name`` attribute.
+        ConfigError: bad arguments; no budget on CPU; nothing fits; no ``batch_arg_name`` attribute; manual
+            optimisation without ``forward_fn``.
 
     Example::
 
@@ -131,7 +218,7 @@ class MicroBatchFinder(Callback):
         self.max_micro_batch = max_micro_batch
         self.model_state_bytes = model_state_bytes
         self.batch_arg_name = batch_arg_name
-        self.forward_fn = forward_fn or _default_forward
+        self.forward_fn = forward_fn
         self.plan: MicroBatchPlan | None = None
         self.trials: list[dict[str, Any]] = []
 
@@ -145,6 +232,13 @@ class MicroBatchFinder(Callback):
                 None,
                 "on CPU there is no allocator limit to probe: give the memory budget per process in bytes, "
                 f"e.g. {_KEY}.budget_bytes=4e9.",
+            )
+        if self.forward_fn is None and not pl_module.automatic_optimization:
+            raise ConfigError(
+                f"{_KEY}.forward_fn",
+                None,
+                "the module uses manual optimisation, so its training_step steps the optimizers and cannot be run "
+                "as a measurement; give forward_fn(module, batch) returning the loss.",
             )
         if not lightning_hasattr(pl_module, self.batch_arg_name):
             raise ConfigError(
@@ -160,9 +254,13 @@ class MicroBatchFinder(Callback):
         batch = next(iter(source.train_dataloader()))
         return pl_module.transfer_batch_to_device(batch, pl_module.device, 0)
 
-    def _activation_bytes(self, pl_module: pl.LightningModule, batch: Any, n: int) -> int:
-        with SavedTensorsCounter(params=pl_module.parameters()) as counter:
-            out = self.forward_fn(pl_module, _resize(batch, n))
+    def _step(self, pl_module: pl.LightningModule, batch: Any) -> Any:
+        step = self.forward_fn or _default_step
+        return step(pl_module, batch)
+
+    def _activation_bytes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, n: int) -> int:
+        with _measuring(trainer, pl_module), SavedTensorsCounter(params=pl_module.parameters()) as counter:
+            out = self._step(pl_module, _resize(batch, n))
         del out
         return counter.report().activation_bytes
 
@@ -186,24 +284,35 @@ class MicroBatchFinder(Callback):
                 ) from err
             stage = int(getattr(trainer.strategy, "zero_stage", 0) or 0)
             world = max(1, trainer.world_size)
-            # ZeRO shards optimizer states from stage 1 and gradients from stage 2 across the data-parallel ranks.
-            state = state // world if stage >= 1 else state
+            module_params = {id(p) for p in params}
+            own = [p for g in optimizer.param_groups for p in g["params"]]
+            if own and not any(id(p) in module_params for p in own):
+                # DeepSpeed ZeRO-1/2 hands the wrapped optimizer this rank's flat fp32 master partitions: the probe
+                # already measured a per-rank share, and the masters themselves are optimizer state.
+                state += _tensor_bytes(own)
+            elif stage >= 1:
+                state //= world
+            # ZeRO shards gradients from stage 2 across the data-parallel ranks.
             grad_bytes = grad_bytes // world if stage >= 2 else grad_bytes
         return param_bytes + grad_bytes + state
 
-    def _trial(self, pl_module: pl.LightningModule, batch: Any, micro: int) -> bool:
+    def _trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, micro: int) -> bool:
+        ok = False
+        loss: torch.Tensor | None = None
         try:
-            out = self.forward_fn(pl_module, _resize(batch, micro))
-            loss = out.float().mean() if isinstance(out, torch.Tensor) else out["loss"]
+            with _measuring(trainer, pl_module):
+                loss = _loss_of(self._step(pl_module, _resize(batch, micro)))
             loss.backward()
             ok = True
         except torch.OutOfMemoryError:
             ok = False
         finally:
-            out = loss = None  # noqa: F841 - drop the graph before emptying the cache
+            loss = None  # drop the graph before emptying the cache
             for p in pl_module.parameters():
                 p.grad = None
             torch.cuda.empty_cache()
+        # Every rank must step down together, or the ranks' collectives (FSDP2, DDP) would pair up wrongly.
+        ok = bool(_min_across_ranks(trainer, int(ok), pl_module.device))
         self.trials.append({"micro_batch": micro, "fits": ok})
         return ok
 
@@ -215,7 +324,7 @@ class MicroBatchFinder(Callback):
         global_batch = micro0 * accumulate0 * world
         batch = self._sample_batch(trainer, pl_module)
         per_sample, act_constant = fit_linear_bytes(
-            self._activation_bytes(pl_module, batch, 1), self._activation_bytes(pl_module, batch, 2)
+            self._activation_bytes(trainer, pl_module, batch, 1), self._activation_bytes(trainer, pl_module, batch, 2)
         )
         states = self._model_state_bytes(trainer, pl_module)
         on_cuda = pl_module.device.type == "cuda"
@@ -225,23 +334,26 @@ class MicroBatchFinder(Callback):
         plan = plan_micro_batch(
             global_batch, world, per_sample, states + act_constant, budget, self.max_micro_batch, f"{_KEY}.budget_bytes"
         )
+        micro = _min_across_ranks(trainer, plan.micro_batch, pl_module.device)
         if on_cuda and getattr(trainer.strategy, "deepspeed_engine", None) is None:
-            options = [d for d in divisors(global_batch // world) if d <= plan.micro_batch]
-            while options and not self._trial(pl_module, batch, options[-1]):
+            options = [d for d in divisors(global_batch // world) if d <= micro]
+            while options and not self._trial(trainer, pl_module, batch, options[-1]):
                 options.pop()
             if not options:
                 raise ConfigError(f"{_KEY}.budget_bytes", budget, "a micro-batch of 1 ran out of device memory.")
-            if options[-1] != plan.micro_batch:
-                plan = MicroBatchPlan(
-                    **{
-                        **plan.as_dict(),
-                        "micro_batch": options[-1],
-                        "accumulate": global_batch // world // options[-1],
-                        "predicted_bytes": plan.fixed_bytes + options[-1] * per_sample,
-                    }
-                )
+            micro = options[-1]
+        if micro != plan.micro_batch:
+            plan = replace(
+                plan,
+                micro_batch=micro,
+                accumulate=global_batch // world // micro,
+                predicted_bytes=plan.fixed_bytes + micro * per_sample,
+            )
         self._apply(trainer, pl_module, plan)
         self.plan = plan
+        advice = plan.divisor_advice()
+        if advice:
+            rank_zero_warn(f"MicroBatchFinder: {advice}", category=UserWarning)
         rank_zero_info(
             f"MicroBatchFinder: micro-batch {micro0} -> {plan.micro_batch}, accumulation {accumulate0} -> "
             f"{plan.accumulate} (global batch {global_batch} kept); predicted {plan.predicted_bytes / 2**30:.3f} GiB "

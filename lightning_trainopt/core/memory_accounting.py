@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MemoryBreakdown", "Placement", "memory_breakdown", "textbook_bytes_per_param"]
+__all__ = ["MemoryBreakdown", "Placement", "memory_breakdown", "tensor_leaves", "textbook_bytes_per_param"]
 
 _CATEGORIES = ("params", "grads", "optimizer_states")
 
@@ -77,6 +77,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def tensor_leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes.
+
+    Tensor subclasses that wrap other tensors (torchao's low-bit optimizer states keep ``codes``, ``scale`` and
+    ``qmap``) have no storage of their own to read (``untyped_storage().data_ptr()`` raises); they are flattened
+    through ``__tensor_flatten__`` into their inner tensors, recursively. Plain tensors and parameters yield themselves.
+    """
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        names, _ = flatten()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                yield from tensor_leaves(inner)
+    else:
+        yield t
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -98,7 +116,10 @@ class _Counter:
     def add(self, category: str, tensor: torch.Tensor | None) -> None:
         if tensor is None:
             return
-        t = _local(tensor)
+        for leaf in tensor_leaves(_local(tensor)):
+            self._add_plain(category, leaf)
+
+    def _add_plain(self, category: str, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
         storage = t.untyped_storage()

@@ -8,6 +8,7 @@ from lightning_trainopt.techniques.checkpointing import (
     is_checkpointed,
     remove_activation_checkpointing,
     select_modules,
+    self_checkpointing_modules,
 )
 from lightning_trainopt.techniques.compression import (
     Int8Compressor,
@@ -16,7 +17,13 @@ from lightning_trainopt.techniques.compression import (
     gradient_relative_error,
     quantize_blockwise,
 )
-from lightning_trainopt.techniques.micro_batch import MicroBatchPlan, divisors, fit_linear_bytes, plan_micro_batch
+from lightning_trainopt.techniques.micro_batch import (
+    MicroBatchPlan,
+    divisors,
+    fit_linear_bytes,
+    nearby_global_batches,
+    plan_micro_batch,
+)
 from lightning_trainopt.techniques.offload import CpuOffloader
 from lightning_trainopt.techniques.optimizer_states import OptimizerStateReport, optimizer_state_bytes
 from lightning_trainopt.techniques.optimizers import adamw, bitsandbytes_optimizer, torchao_optimizer
@@ -38,10 +45,12 @@ __all__ = [
     "fit_linear_bytes",
     "gradient_relative_error",
     "is_checkpointed",
+    "nearby_global_batches",
     "optimizer_state_bytes",
     "plan_micro_batch",
     "quantize_blockwise",
     "remove_activation_checkpointing",
     "select_modules",
+    "self_checkpointing_modules",
     "torchao_optimizer",
 ]

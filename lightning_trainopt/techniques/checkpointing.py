@@ -27,6 +27,7 @@ __all__ = [
     "is_checkpointed",
     "remove_activation_checkpointing",
     "select_modules",
+    "self_checkpointing_modules",
 ]
 
 _ORIGINAL_FORWARD = "_trainopt_original_forward"
@@ -53,7 +54,7 @@ class CheckpointPolicy:
     module_classes: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
     every_k: int = 1
-    key_prefix: str = "activations.checkpoint"
+    key_prefix: str = "activations.activation_checkpointing"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "module_classes", tuple(self.module_classes))
@@ -77,21 +78,33 @@ class CheckpointPolicy:
 class CheckpointPlan:
     """What a policy wrapped, and how much forward work is recomputed in backward.
 
+    Forward matmul FLOPs per token are taken as 2 x the elements of the weights that multiply activations: every
+    parameter of two or more dimensions except those of ``nn.Embedding`` (a lookup), so ``nn.Linear``, Hugging Face
+    ``Conv1D``, ``nn.MultiheadAttention``'s ``in_proj_weight`` and the like all count. A weight counts once per path
+    to its module in the module tree, i.e. once per call for a block shared by several slots of a ``ModuleList``
+    (ALBERT-style weight sharing); a block called several times from one slot is counted once (its calls cannot be
+    seen without running it). Attention's score matmuls (no weights) are left out of both sides, as in ``6N``.
+
     Args:
         wrapped: qualified names of the checkpointed modules.
         n_candidates: number of modules the policy chose from (before ``every_k``).
-        recomputed_params: ``nn.Linear`` parameters inside wrapped modules (their forward matmuls run twice).
-        linear_params: ``nn.Linear`` parameters of the whole model (each counted once, tied weights included).
+        recomputed_params: matmul weight elements inside wrapped modules (their forward runs twice), per call.
+        linear_params: matmul weight elements of the whole model, per call (tied weights of an embedding and its
+            output head count once, through the head).
+        self_checkpointed: names of modules that checkpoint themselves (``gradient_checkpointing=True``, e.g. after
+            Hugging Face's ``gradient_checkpointing_enable()``); nothing is wrapped then (see
+            :func:`apply_activation_checkpointing`).
     """
 
     wrapped: tuple[str, ...]
     n_candidates: int
     recomputed_params: int
     linear_params: int
+    self_checkpointed: tuple[str, ...] = ()
 
     @property
     def recomputed_fraction(self) -> float:
-        """Share of the forward pass's matmul FLOPs that backward recomputes (0..1)."""
+        """Share of the forward pass's weight-matmul FLOPs that backward recomputes (0..1)."""
         return self.recomputed_params / self.linear_params if self.linear_params else 0.0
 
     @property
@@ -118,36 +131,57 @@ def find_block_list(root: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return None if best is None else (best[1], best[2])
 
 
+def _modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    # Every path, so a block shared by several ModuleList slots appears once per slot (once per call).
+    return [(n, m) for n, m in root.named_modules(remove_duplicate=False) if n]
+
+
 def select_modules(root: nn.Module, policy: CheckpointPolicy) -> tuple[list[tuple[str, nn.Module]], int]:
     """The ``(name, module)`` pairs the policy wraps, outermost only, in module order, and the candidate count.
 
+    A module object reached by several paths (one block shared by several slots of a ``ModuleList``) is a
+    candidate once per path; checkpointing works per object, so all its calls are checkpointed.
+
     Raises:
-        ConfigError: the policy matches nothing in ``root``.
+        ConfigError: the policy matches nothing in ``root``; a class name or name pattern of the policy matches
+            nothing (a typo next to a valid entry); ``every_k > 1`` over candidates that share one module object.
     """
+    modules = _modules(root)
     if policy.module_classes:
-        wanted = set(policy.module_classes)
-        candidates = [(n, m) for n, m in root.named_modules() if n and _class_names(m) & wanted]
         key, value = f"{policy.key_prefix}.module_classes", list(policy.module_classes)
-        hint = sorted({type(m).__name__ for _, m in root.named_modules()})[:20]
+        candidates = [(n, m) for n, m in modules if _class_names(m) & set(policy.module_classes)]
+        present = set().union(*(_class_names(m) for _, m in modules)) if modules else set()
+        unmatched = [c for c in policy.module_classes if c not in present]
+        hint = sorted({type(m).__name__ for _, m in modules})[:20]
         fix = f"use class names present in the model, e.g. one of {hint}."
     elif policy.names:
-        candidates = [
-            (n, m) for n, m in root.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in policy.names)
-        ]
         key, value = f"{policy.key_prefix}.names", list(policy.names)
-        hint = [n for n, _ in root.named_modules() if n][:10]
+        candidates = [(n, m) for n, m in modules if any(fnmatch.fnmatchcase(n, p) for p in policy.names)]
+        unmatched = [p for p in policy.names if not any(fnmatch.fnmatchcase(n, p) for n, _ in modules)]
+        hint = [n for n, _ in modules][:10]
         fix = f"use qualified submodule names of the LightningModule, e.g. {hint}."
     else:
         found = find_block_list(root)
         candidates = [] if found is None else [(f"{found[0]}.{i}", m) for i, m in enumerate(found[1])]
-        key, value = f"{policy.key_prefix}.module_classes", []
+        key, value, unmatched = f"{policy.key_prefix}.module_classes", [], []
         fix = "the model has no nn.ModuleList of blocks; name the modules with module_classes or names."
+    if unmatched and len(unmatched) < len(value):
+        raise ConfigError(key, value, f"{unmatched} matched nothing; {fix}")
     outermost: list[tuple[str, nn.Module]] = []
     for name, module in candidates:
         if not any(name.startswith(f"{outer}.") for outer, _ in outermost):
             outermost.append((name, module))
     if not outermost:
         raise ConfigError(key, value, fix)
+    if policy.every_k > 1 and len({id(m) for _, m in outermost}) < len(outermost):
+        shared = sorted({n for n, m in outermost if sum(m is o for _, o in outermost) > 1})
+        raise ConfigError(
+            f"{policy.key_prefix}.every_k",
+            policy.every_k,
+            f"the candidates {shared[:6]} are one module object shared by several slots (weight sharing); "
+            "checkpointing applies to the object, so every call of it is checkpointed whatever every_k says. "
+            "Use every_k=1 (every call of the shared block is then checkpointed, as it would be anyway).",
+        )
     return outermost[:: policy.every_k], len(outermost)
 
 
@@ -156,16 +190,29 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _ORIGINAL_FORWARD in module.__dict__
 
 
-def _linear_params(root: nn.Module) -> int:
-    seen: set[int] = set()
+def _numel(p: torch.Tensor) -> int:
+    # DeepSpeed ZeRO-3 leaves an empty placeholder; the real size is ds_numel.
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _is_matmul_weight(p: torch.Tensor) -> bool:
+    return len(getattr(p, "ds_shape", p.shape)) >= 2
+
+
+def _matmul_params(root: nn.Module, prefix: str = "") -> int:
+    """Matmul weight elements under ``root``, once per path to their module (see :class:`CheckpointPlan`)."""
     total = 0
-    for module in root.modules():
-        if isinstance(module, nn.Linear):
-            for p in module.parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    total += p.numel()
+    for _, module in [(prefix, root), *_modules(root)]:
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        total += sum(_numel(p) for p in module.parameters(recurse=False) if _is_matmul_weight(p))
     return total
+
+
+def self_checkpointing_modules(root: nn.Module) -> list[str]:
+    """Names of modules that checkpoint themselves (``gradient_checkpointing`` set to ``True``, as Hugging Face's
+    ``gradient_checkpointing_enable()`` does on the model and its layers)."""
+    return [n or "<root>" for n, m in root.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
 
 
 def _checkpointed_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -178,23 +225,31 @@ def _checkpointed_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
 def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) -> CheckpointPlan:
     """Checkpoint the submodules of ``root`` chosen by ``policy`` (idempotent) and say what was wrapped.
 
+    A model that checkpoints itself (:func:`self_checkpointing_modules`) is left alone: wrapping its blocks again
+    saves nothing more and adds a second recompute pass. The plan then lists those modules in
+    ``self_checkpointed``, wraps nothing, and counts the policy's blocks as recomputed (the model's own
+    checkpointing recomputes its layers; Hugging Face checkpoints exactly its decoder layers), so HFU stays right.
+
     Raises:
-        ConfigError: the policy matches nothing.
+        ConfigError: the policy matches nothing, names something that matches nothing, or asks for ``every_k > 1``
+            over one shared module object.
     """
     chosen, n_candidates = select_modules(root, policy)
-    for _, module in chosen:
-        if is_checkpointed(module):
-            continue
-        original = module.forward
-        module.__dict__[_ORIGINAL_FORWARD] = original
-        module.__dict__[_MARK] = True
-        module.forward = functools.partial(_checkpointed_forward, original)
-    recomputed = sum(_linear_params(m) for _, m in chosen)
+    own = tuple(self_checkpointing_modules(root))
+    if not own:
+        for _, module in chosen:
+            if is_checkpointed(module):
+                continue
+            original = module.forward
+            module.__dict__[_ORIGINAL_FORWARD] = original
+            module.__dict__[_MARK] = True
+            module.forward = functools.partial(_checkpointed_forward, original)
     return CheckpointPlan(
-        wrapped=tuple(n for n, _ in chosen),
+        wrapped=() if own else tuple(n for n, _ in chosen),
         n_candidates=n_candidates,
-        recomputed_params=recomputed,
-        linear_params=_linear_params(root),
+        recomputed_params=sum(_matmul_params(m, n) for n, m in chosen),
+        linear_params=_matmul_params(root),
+        self_checkpointed=own,
     )
 
 

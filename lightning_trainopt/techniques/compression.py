@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -79,25 +80,42 @@ class Int8Compressor:
     storage can be freed. Parameters (and views of them), integer tensors and storages below ``min_numel``
     elements are kept as they are.
 
+    Storages holding a non-finite value or any value of magnitude at least ``max_abs`` are kept as they are too:
+    an ``inf`` makes its block's scale infinite and every value of the block NaN after the round trip, and a
+    mask value such as ``finfo.min`` or ``-1e9`` (attention scores, masked logits before ``log_softmax``) rounds
+    the other values of its block to zero. The check costs one ``aminmax`` reduction over each saved storage not
+    already compressed and, on an accelerator, one host synchronisation per such storage (``n_out_of_range``
+    counts the saved tensors kept for this reason).
+
     Args:
         bits: only 8 is implemented.
         block_size: elements per scale (smaller: more accurate, more scale bytes: ``4 / block_size`` B/element).
         min_numel: smallest storage worth compressing.
+        max_abs: storages with a value of at least this magnitude are not compressed (default 1e4, the mask value
+            of fp16 code; real activations stay far below it).
         key_prefix: prefix of the config keys in error messages.
 
     Raises:
-        ConfigError: ``bits`` is not 8, or a size is not a positive integer.
+        ConfigError: ``bits`` is not 8, a size is not a positive integer, or ``max_abs`` is not positive.
     """
 
     def __init__(
-        self, bits: int = 8, block_size: int = 64, min_numel: int = 1024, key_prefix: str = "activations"
+        self,
+        bits: int = 8,
+        block_size: int = 64,
+        min_numel: int = 1024,
+        max_abs: float = 1e4,
+        key_prefix: str = "activations.activation_compression",
     ) -> None:
         if bits != 8:
             raise ConfigError(f"{key_prefix}.bits", bits, "only bits=8 is implemented (int8 codes, fp32 block scales).")
         for key, value in (("block_size", block_size), ("min_numel", min_numel)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{key_prefix}.{key}", value, "use a positive integer.")
+        if isinstance(max_abs, bool) or not isinstance(max_abs, (int, float)) or not 0 < max_abs < math.inf:
+            raise ConfigError(f"{key_prefix}.max_abs", max_abs, "use a positive finite magnitude, e.g. 1e4.")
         self.bits = bits
+        self.max_abs = float(max_abs)
         self.block_size = block_size
         self.min_numel = min_numel
         # storage key -> (weak ref to the quantised copy, weak ref to the original storage). torch keeps one Python
@@ -106,6 +124,7 @@ class Int8Compressor:
         self.n_compressed = 0
         self.n_shared = 0
         self.n_passed = 0
+        self.n_out_of_range = 0
 
     def _flat_storage(self, t: torch.Tensor) -> torch.Tensor | None:
         if not t.is_floating_point() or is_parameter_tensor(t):
@@ -116,6 +135,10 @@ class Int8Compressor:
             return None
         return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
 
+    def _in_range(self, flat: torch.Tensor) -> bool:
+        lo, hi = torch.stack(torch.aminmax(flat.detach())).tolist()  # NaN propagates; one sync
+        return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) < self.max_abs
+
     def pack(self, t: torch.Tensor) -> Any:
         flat = self._flat_storage(t)
         if flat is None:
@@ -125,6 +148,10 @@ class Int8Compressor:
         entry = self._cache.get(key)
         quantized = entry[0]() if entry is not None and entry[1]() is not None else None
         if quantized is None:
+            if not self._in_range(flat):
+                self.n_out_of_range += 1
+                self.n_passed += 1
+                return t
             quantized = quantize_blockwise(flat, self.block_size)
             self._cache = {k: v for k, v in self._cache.items() if v[0]() is not None and v[1]() is not None}
             self._cache[key] = (weakref.ref(quantized), weakref.ref(t.untyped_storage()))

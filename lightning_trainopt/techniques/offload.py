@@ -42,7 +42,9 @@ class CpuOffloader:
         ConfigError: ``min_numel`` is not a positive integer.
     """
 
-    def __init__(self, pin_memory: bool = True, min_numel: int = 1024, key_prefix: str = "activations") -> None:
+    def __init__(
+        self, pin_memory: bool = True, min_numel: int = 1024, key_prefix: str = "activations.activation_offload"
+    ) -> None:
         if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 1:
             raise ConfigError(f"{key_prefix}.min_numel", min_numel, "use a positive integer.")
         self.pin_memory = pin_memory

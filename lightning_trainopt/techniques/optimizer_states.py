@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from lightning_trainopt.core.memory_accounting import tensor_leaves
 
 __all__ = ["OptimizerStateReport", "optimizer_state_bytes"]
 
@@ -60,17 +61,6 @@ class OptimizerStateReport:
         }
 
 
-def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Plain tensors behind ``t`` (torchao keeps low-bit states in tensor subclasses of codes and scales)."""
-    flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        names, _ = flatten()
-        for name in names:
-            yield from _leaves(getattr(t, name))
-    else:
-        yield t
-
-
 def _key(t: torch.Tensor) -> tuple[str, int, int]:
     storage = t.untyped_storage()
     return str(t.device), storage.data_ptr() or id(storage), storage.nbytes()
@@ -94,7 +84,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> OptimizerStateRep
             for value in state.values():
                 if not isinstance(value, torch.Tensor):
                     continue
-                leaves = list(_leaves(value))
+                leaves = list(tensor_leaves(value))
                 if len(leaves) > 1 or type(value) is not torch.Tensor or value.dtype in _QUANTISED_DTYPES:
                     quantised = quantised or value.numel() > 1
                 for leaf in leaves:

@@ -93,7 +93,22 @@ def test_survives_two_fits() -> None:
 
 
 def test_bad_policy_raises_before_training() -> None:
-    with pytest.raises(ConfigError, match="activations.checkpoint.every_k"):
+    with pytest.raises(ConfigError, match=r"activations\.activation_checkpointing\.every_k"):
         ActivationCheckpointing(every_k=0)
     with pytest.raises(ConfigError, match="module_classes"):
         _fit(tiny_module(), [ActivationCheckpointing(module_classes=["Nope"])])
+
+
+def test_a_module_that_checkpoints_itself_is_left_alone_with_a_warning() -> None:
+    # Hugging Face's gradient_checkpointing_enable() sets gradient_checkpointing=True on the model and its layers;
+    # wrapping again saved nothing and added a second recompute pass, silently.
+    module = ForeignModule()
+    module.layers[0].gradient_checkpointing = True
+    callback = ActivationCheckpointing()
+    with pytest.warns(UserWarning, match=r"wraps nothing.*\['layers\.0'\] already checkpoint themselves"):
+        _fit(module, [callback])
+    assert not any(is_checkpointed(layer) for layer in module.layers)
+    summary = callback.summary()["activation_checkpointing"]
+    assert summary["wrapped"] == 0
+    assert summary["self_checkpointed"] == ["layers.0"]
+    assert 0 < summary["recomputed_fraction"] <= 1

@@ -41,9 +41,9 @@ def test_survives_two_fits() -> None:
 
 
 def test_arguments_validated_at_construction() -> None:
-    with pytest.raises(ConfigError, match="activations.int8.bits"):
+    with pytest.raises(ConfigError, match=r"activations\.activation_compression\.bits"):
         ActivationCompression(bits=4)
-    with pytest.raises(ConfigError, match="activations.int8.block_size"):
+    with pytest.raises(ConfigError, match=r"activations\.activation_compression\.block_size"):
         ActivationCompression(block_size=0)
 
 

@@ -33,7 +33,7 @@ def test_cpu_tensors_pass_through() -> None:
 
 
 def test_arguments_validated() -> None:
-    with pytest.raises(ConfigError, match="activations.offload.min_numel"):
+    with pytest.raises(ConfigError, match=r"activations\.activation_offload\.min_numel"):
         ActivationOffload(min_numel=0)
 
 

@@ -114,3 +114,179 @@ def test_cuda_trials_step_down_on_a_real_out_of_memory() -> None:
     assert set(seen.sizes) == {micro}
     assert len(seen.sizes) == finder.plan.accumulate
     assert trainer.global_step == 1
+
+
+class _LossOutsideForward(pl.LightningModule):
+    """A foreign module whose loss (cross-entropy over a large vocabulary) lives in training_step, not forward."""
+
+    VOCAB = 1000
+
+    def __init__(self, batch_size: int = 6, manual: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.automatic_optimization = not manual
+        self.emb = torch.nn.Embedding(self.VOCAB, 32)
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.head = torch.nn.Linear(32, self.VOCAB)
+        self.step_bytes: list[tuple[int, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
+
+        x, y = batch
+        with SavedTensorsCounter(params=self.parameters()) as counter:
+            loss = torch.nn.functional.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
+        self.step_bytes.append((x.shape[0], counter.report().activation_bytes))
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        x = torch.randint(0, self.VOCAB, (48, 16), generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.TensorDataset(x, x.roll(-1, 1))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_measures_the_real_training_step_with_its_loss_and_precision(precision: str) -> None:
+    # Measuring only forward(batch[0]) left out the saved log-softmax over 1000 classes and ran outside autocast.
+    finder = MicroBatchFinder(budget_bytes=2**40)
+    module = _LossOutsideForward()
+    trainer = tiny_trainer([finder], max_steps=1, precision=precision)
+    trainer.fit(module)
+    assert finder.plan is not None
+    micro, real = module.step_bytes[-1]  # the fit loop's own step (the finder's two measurements come first)
+    assert micro == finder.plan.micro_batch == 6
+    at_1 = module.step_bytes[0][1]
+    predicted = at_1 + (micro - 1) * finder.plan.per_sample_bytes
+    assert predicted == pytest.approx(real, rel=0.01)
+    logged = trainer.callback_metrics
+    assert set(logged) == {"loss"}  # the trial steps' self.log calls were silenced, the real one was not
+
+
+def test_manual_optimisation_needs_forward_fn() -> None:
+    with pytest.raises(ConfigError, match="forward_fn"):
+        tiny_trainer([MicroBatchFinder(budget_bytes=2**40)], max_steps=1).fit(_LossOutsideForward(manual=True))
+
+
+def test_forward_fn_replaces_the_training_step() -> None:
+    calls: list[int] = []
+
+    def loss_fn(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+        calls.append(int(batch[0].shape[0]))
+        return module(batch[0]).float().logsumexp(-1).mean()
+
+    finder = MicroBatchFinder(budget_bytes=2**40, forward_fn=loss_fn)
+    tiny_trainer([finder], max_steps=1).fit(_LossOutsideForward())
+    assert calls == [1, 2]
+
+
+def test_probe_measures_state_bytes_on_cpu_with_one_copy_per_shape() -> None:
+    from lightning_trainopt.callbacks.micro_batch_finder import _probe_state_bytes
+    from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
+
+    module = tiny_module()
+    module.configure_model()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert _probe_state_bytes(optimizer) == optimizer_state_bytes(optimizer).state_bytes
+    made: list[tuple[int, ...]] = []
+    real_zeros = torch.zeros
+
+    def counting_zeros(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        made.append(tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else tuple(shape))
+        assert kwargs.get("device") == "cpu"
+        return real_zeros(*shape, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "zeros", counting_zeros)
+        _probe_state_bytes(optimizer)
+    n_distinct = len({(g_i, tuple(p.shape)) for g_i, g in enumerate(optimizer.param_groups) for p in g["params"]})
+    assert len(made) == n_distinct < len(list(module.parameters()))
+
+
+@RunIf(bnb=True)
+def test_probe_matches_a_bitsandbytes_mix_of_8bit_and_fp32_states() -> None:
+    from lightning_trainopt.callbacks.micro_batch_finder import _probe_state_bytes
+    from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
+    from lightning_trainopt.techniques.optimizers import bitsandbytes_optimizer
+
+    layers = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 8))
+    optimizer = bitsandbytes_optimizer(layers.parameters(), name="AdamW8bit", lr=1e-3, min_8bit_size=4096)
+    layers(torch.randn(2, 128)).sum().backward()
+    optimizer.step()
+    real = optimizer_state_bytes(optimizer)
+    assert real.quantised_params
+    assert real.full_params
+    # Shared per-tensor quantisation maps count once per parameter in the probe: a slight over-estimate only.
+    assert real.state_bytes <= _probe_state_bytes(optimizer) <= real.state_bytes * 1.05
+
+
+def test_ranks_agree_on_the_smallest_choice() -> None:
+    from types import SimpleNamespace
+
+    from lightning_trainopt.callbacks.micro_batch_finder import _min_across_ranks
+
+    seen: list[torch.Tensor] = []
+
+    def all_gather(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return torch.stack([t, torch.tensor([3])])  # what rank 1 chose
+
+    trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(all_gather=all_gather))
+    assert _min_across_ranks(trainer, 8, torch.device("cpu")) == 3  # type: ignore[arg-type]
+    assert _min_across_ranks(trainer, 2, torch.device("cpu")) == 2  # type: ignore[arg-type]
+    assert len(seen) == 2
+    single = SimpleNamespace(world_size=1, strategy=None)
+    assert _min_across_ranks(single, 8, torch.device("cpu")) == 8  # type: ignore[arg-type]
+
+
+def test_warns_when_the_global_batch_divides_badly() -> None:
+    probe = MicroBatchFinder(budget_bytes=2**40)
+    _fit(probe, batch_size=8)
+    assert probe.plan is not None
+    budget = probe.plan.fixed_bytes + 5 * probe.plan.per_sample_bytes + 1
+    finder = MicroBatchFinder(budget_bytes=budget)
+    with pytest.warns(UserWarning, match=r"up to 5.*global batches near it that divide well: \[6, 8\]"):
+        seen = _fit(finder, batch_size=7)
+    assert seen.sizes == [1] * 7
+
+
+@RunIf(min_cuda_gpus=1)
+def test_probe_allocates_nothing_on_the_gpu() -> None:
+    # The probe used to build zero copies of every parameter, gradient and state on the device it guards.
+    from lightning_trainopt.callbacks.micro_batch_finder import _probe_state_bytes
+    from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
+
+    layers = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=1e-3)
+    layers(torch.randn(2, 512, device="cuda")).sum().backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert _probe_state_bytes(optimizer) == optimizer_state_bytes(optimizer).state_bytes
+    assert torch.cuda.max_memory_allocated() == before
+
+
+def test_deepspeed_master_partitions_are_not_divided_twice() -> None:
+    # ZeRO-1/2 hands the wrapped optimizer this rank's flat fp32 master partition: its state is already a per-rank
+    # share (dividing by the world size again halved it), and the master copy itself is optimizer state.
+    from types import SimpleNamespace
+
+    layer = torch.nn.Linear(64, 64, bias=False)  # 4096 elements
+    partition = torch.zeros(2048, requires_grad=True)  # rank 0's half, as DeepSpeed builds it
+    optimizer = torch.optim.AdamW([partition], lr=1e-3)
+    engine = SimpleNamespace(basic_optimizer=optimizer)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, zero_stage=2), world_size=2)
+    got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
+    params, grads = 4 * 4096, 4 * 4096 // 2  # ZeRO-2 shards gradients
+    states = 8 * 2048 + 4 + 4 * 2048  # two fp32 moments + step, and the fp32 master partition
+    assert got == params + grads + states

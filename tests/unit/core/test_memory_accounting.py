@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from lightning_trainopt.core.memory_accounting import MemoryBreakdown, memory_breakdown, textbook_bytes_per_param
+from lightning_trainopt.core.memory_accounting import (
+    MemoryBreakdown,
+    memory_breakdown,
+    tensor_leaves,
+    textbook_bytes_per_param,
+)
 from lightning_trainopt.models import GPT, GPTConfig
+from tests.helpers.runif import RunIf
 
 CFG = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16)
 
@@ -73,3 +79,25 @@ def test_to_dict_shape():
 @pytest.mark.parametrize(("mixed", "total"), [(True, 16), (False, 16)])
 def test_textbook_totals(mixed, total):
     assert sum(textbook_bytes_per_param(mixed).values()) == total
+
+
+@RunIf(torchao=True)
+def test_torchao_low_bit_states_are_counted_through_their_inner_tensors():
+    # torchao keeps exp_avg / exp_avg_sq as tensor subclasses without a storage of their own: reading one's
+    # data_ptr raised "invalid python storage" and crashed every torchao run at its first optimizer step.
+    from lightning_trainopt.techniques.optimizers import torchao_optimizer
+
+    layer = torch.nn.Linear(256, 256, bias=False)
+    opt = torchao_optimizer(layer.parameters(), name="AdamW8bit", lr=1e-3, block_size=256)
+    layer(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    state = opt.state[layer.weight]
+    assert type(state["exp_avg"]) is not torch.Tensor
+    leaves = list(tensor_leaves(state["exp_avg"]))
+    assert {leaf.dtype for leaf in leaves} >= {torch.uint8, torch.float32}
+    assert all(type(leaf) is torch.Tensor for leaf in leaves)
+    mb = memory_breakdown(layer, [opt], compute_device="cpu")
+    n = layer.weight.numel()
+    # Two 8-bit moments: 1 byte per element each plus block scales and the shared 256-entry code map.
+    assert 2 * n <= mb.optimizer_states.device < 2.2 * n
+    assert mb.params.device == mb.grads.device == 4 * n

@@ -111,3 +111,106 @@ def test_no_checkpoint_without_grad() -> None:
     with torch.no_grad():
         out = model(x)
     assert out.shape == (2, 8, 64)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's projection: a plain parameter and addmm, not an nn.Linear."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.fc = Conv1D(d, 4 * d)
+        self.proj = Conv1D(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.proj(torch.relu(self.fc(x)))
+
+
+class Foreign(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4, vocab: int = 50, shared: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(32, d)
+        self.blocks = nn.ModuleList([ConvBlock(d)] * n if shared else [ConvBlock(d) for _ in range(n)])
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _block_matmul(d: int) -> int:
+    # MultiheadAttention in_proj (3d x d) + out_proj (d x d), two Conv1D (d x 4d, 4d x d).
+    return 3 * d * d + d * d + 2 * 4 * d * d
+
+
+def test_recomputed_fraction_counts_every_matmul_weight_of_a_foreign_model() -> None:
+    # Only nn.Linear used to count: Conv1D and MultiheadAttention.in_proj_weight were missed (fraction 0 on GPT-2).
+    model = Foreign()
+    plan = apply_activation_checkpointing(model, CheckpointPolicy())
+    assert plan.wrapped == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    assert plan.recomputed_params == 4 * _block_matmul(16)
+    assert plan.linear_params == 4 * _block_matmul(16) + 50 * 16  # tied head once, embeddings are lookups
+    every2 = apply_activation_checkpointing(Foreign(), CheckpointPolicy(every_k=2))
+    assert every2.recomputed_fraction == pytest.approx(plan.recomputed_fraction / 2)
+    assert 0.9 < plan.recomputed_fraction < 1.0
+
+
+def test_shared_block_plans_are_per_call_and_refuse_every_k() -> None:
+    # ModuleList([layer] * 4): one object called four times. Fractions came out at 3.9; every_k=2 "wrapped half"
+    # but checkpointed every call; module_classes saw 1 candidate of 1.
+    d = 16
+    default = apply_activation_checkpointing(Foreign(shared=True), CheckpointPolicy())
+    by_class = apply_activation_checkpointing(Foreign(shared=True), CheckpointPolicy(module_classes=("ConvBlock",)))
+    for plan in (default, by_class):
+        assert plan.n_candidates == 4
+        assert plan.recomputed_params == 4 * _block_matmul(d)
+        assert plan.linear_params == 4 * _block_matmul(d) + 50 * d
+        assert 0.0 < plan.recomputed_fraction < 1.0
+        assert plan.flops_factor < 4 / 3
+    with pytest.raises(ConfigError, match=r"every_k=2 is invalid.*shared") as err:
+        apply_activation_checkpointing(Foreign(shared=True), CheckpointPolicy(every_k=2))
+    assert "activation_checkpointing.every_k" in str(err.value)
+    model = Foreign(shared=True)
+    apply_activation_checkpointing(model, CheckpointPolicy())
+    assert is_checkpointed(model.blocks[0])
+    assert remove_activation_checkpointing(model) == 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "typo"),
+    [
+        (CheckpointPolicy(module_classes=("ConvBlock", "TypoLayer")), "TypoLayer"),
+        (CheckpointPolicy(names=("blocks.*", "typo.*")), "typo.*"),
+    ],
+)
+def test_each_unmatched_class_or_pattern_is_refused(policy: CheckpointPolicy, typo: str) -> None:
+    with pytest.raises(ConfigError, match=rf"\['{typo}'\] matched nothing") as err:
+        select_modules(Foreign(), policy)
+    assert "activations.activation_checkpointing." in str(err.value)
+
+
+def test_a_self_checkpointing_model_is_left_alone() -> None:
+    model = Foreign()
+    model.gradient_checkpointing = True  # what Hugging Face's gradient_checkpointing_enable() sets
+    plan = apply_activation_checkpointing(model, CheckpointPolicy())
+    assert plan.self_checkpointed == ("<root>",)
+    assert plan.wrapped == ()
+    assert not any(is_checkpointed(b) for b in model.blocks)
+    assert plan.recomputed_params == 4 * _block_matmul(16)  # its own checkpointing still recomputes, for HFU

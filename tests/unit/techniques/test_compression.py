@@ -108,3 +108,55 @@ def test_gradient_relative_error() -> None:
     assert gradient_relative_error([torch.tensor([3.0, 4.0])], [torch.tensor([3.0, 4.5])]) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="gradient"):
         gradient_relative_error([torch.ones(1)], [None])
+
+
+@pytest.mark.parametrize("bad", [float("-inf"), float("inf"), float("nan")])
+def test_non_finite_storages_are_kept_exactly(bad: float) -> None:
+    # An inf made its block's scale inf and all 64 values NaN after the round trip.
+    x = torch.randn(4096)
+    x[5] = bad
+    comp = Int8Compressor()
+    back = comp.unpack(comp.pack(x))
+    assert torch.equal(back.isnan(), x.isnan())
+    assert torch.equal(back[~x.isnan()], x[~x.isnan()])
+    assert (comp.n_out_of_range, comp.n_compressed) == (1, 0)
+
+
+def test_mask_values_do_not_zero_their_block() -> None:
+    # A finfo.min mask value set the block's scale so high that the other 63 values rounded to zero.
+    x = torch.randn(4096)
+    x[:32] = torch.finfo(torch.float32).min
+    comp = Int8Compressor()
+    back = comp.unpack(comp.pack(x))
+    assert torch.equal(back, x)
+    assert comp.n_out_of_range == 1
+    plain = torch.randn(4096)
+    close = comp.unpack(comp.pack(plain))
+    assert comp.n_compressed == 1
+    assert (close - plain).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
+def test_masked_log_softmax_gradients_stay_finite_and_close(fill: float) -> None:
+    torch.manual_seed(0)
+    scores = torch.randn(8, 512, requires_grad=True)
+    mask = torch.zeros(8, 512, dtype=torch.bool)
+    mask[:, 256:] = True
+
+    def loss() -> torch.Tensor:
+        return torch.log_softmax(scores.masked_fill(mask, fill), -1)[:, :256].sum()
+
+    loss().backward()
+    ref = scores.grad.clone()
+    scores.grad = None
+    with transform_saved_tensors(Int8Compressor()):
+        out = loss()
+    out.backward()
+    assert torch.isfinite(scores.grad).all()
+    assert gradient_relative_error([ref], [scores.grad]) < 1e-6
+
+
+def test_max_abs_validated() -> None:
+    for bad in (0, -1.0, float("inf"), True):
+        with pytest.raises(ConfigError, match="max_abs"):
+            Int8Compressor(max_abs=bad)

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.techniques.micro_batch import divisors, fit_linear_bytes, plan_micro_batch
+from lightning_trainopt.techniques.micro_batch import (
+    divisors,
+    fit_linear_bytes,
+    nearby_global_batches,
+    plan_micro_batch,
+)
 
 
 def test_divisors() -> None:
@@ -37,3 +42,25 @@ def test_plan_refuses_when_nothing_fits() -> None:
     assert "activations=checkpoint" in str(err.value)
     with pytest.raises(ConfigError, match="world size"):
         plan_micro_batch(6, 4, 1, 0, 100)
+
+
+def test_prime_global_batch_warns_with_better_sizes() -> None:
+    # 11 samples fit. 12 = 6 x 2 uses the budget well; 13 is prime and falls back to micro-batch 1.
+    good = plan_micro_batch(12, 1, per_sample_bytes=100, fixed_bytes=0, budget_bytes=1100)
+    assert (good.micro_batch, good.largest_fitting) == (6, 11)
+    assert good.divisor_advice() is None
+    bad = plan_micro_batch(13, 1, per_sample_bytes=100, fixed_bytes=0, budget_bytes=1100)
+    assert (bad.micro_batch, bad.accumulate, bad.largest_fitting) == (1, 13, 11)
+    advice = bad.divisor_advice()
+    assert advice is not None
+    assert "up to 11" in advice
+    assert "[12, 14]" in advice
+    assert "data.batch_size" in advice
+
+
+def test_nearby_global_batches_respect_the_world_size() -> None:
+    # 2 ranks, 13 per device: candidates are even global batches whose half has a divisor in 6..11.
+    assert nearby_global_batches(26, 2, 11) == [24, 28]
+    assert all(g % 2 == 0 for g in nearby_global_batches(26, 2, 11, count=4))
+    # The largest that fits caps the advice: with room for the whole batch no warning is due.
+    assert plan_micro_batch(13, 1, 1, 0, 10**9).divisor_advice() is None
