@@ -56,6 +56,23 @@ def checkpointed_fraction(module: torch.nn.Module, n_blocks: int | None) -> floa
     return min(1.0, wrapped / n_blocks) if n_blocks else 1.0
 
 
+def _recompute_from_callbacks(trainer: pl.Trainer, n_blocks: int | None) -> float | None:
+    """The recomputed share an ``ActivationCheckpointing`` callback of this Trainer measured, for a foreign module.
+
+    Our own model (``n_blocks`` known) keeps the share of blocks, which the analytic formula expects; any other
+    module takes the callback's share of forward matmul FLOPs, which counts shared blocks per call and weights of
+    every kind (``Conv1D``, attention in-projections), unlike counting wrapped modules.
+    """
+    if n_blocks:
+        return None
+    from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, ActivationCheckpointing) and cb.plan is not None:
+            return cb.recomputed_fraction
+    return None
+
+
 class SpeedMonitor(Callback):
     """Throughput with honest MFU/HFU, logged once per window without synchronising any step.
 
@@ -178,8 +195,10 @@ class SpeedMonitor(Callback):
         self._recompute = (
             self.recompute_fraction
             if self.recompute_fraction is not None
-            else checkpointed_fraction(pl_module, n_blocks)
+            else _recompute_from_callbacks(trainer, n_blocks)
         )
+        if self._recompute is None:
+            self._recompute = checkpointed_fraction(pl_module, n_blocks)
         self._edge.reset(trainer)
         self._start_step = trainer.global_step
         self._world_size = trainer.world_size

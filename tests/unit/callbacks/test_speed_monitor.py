@@ -136,6 +136,21 @@ def test_hfu_counts_the_blocks_our_activation_checkpointing_recomputes():
     assert logger.values("throughput/hfu") == [f.hardware_train(0.5) / 2 / 1e6] * 2
 
 
+def test_hfu_of_a_foreign_module_takes_the_checkpointing_callbacks_flop_share():
+    # A foreign encoder: the callback wraps 1 of 2 layers; the head and embedding stay outside, so the recomputed
+    # share of forward matmul FLOPs is below 1/2, and counting wrapped modules (which gives 1.0 without n_blocks)
+    # would overstate HFU.
+    from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
+    from tests.unit.callbacks._foreign import DictClassifier, loader, padded_batches
+
+    ckpt = ActivationCheckpointing(module_classes=["TransformerEncoderLayer"], every_k=2)
+    monitor = SpeedMonitor(log_every_n_steps=1, peak_tflops=1e-6, warmup_steps=0)
+    tiny_trainer([ckpt, monitor], max_steps=2).fit(DictClassifier(), loader(padded_batches(2)))
+    share = monitor.summary()["throughput"]["recompute_fraction"]
+    assert share == ckpt.recomputed_fraction
+    assert 0.3 < share < 0.5
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
