@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import json_safe, log_metrics
@@ -48,8 +48,14 @@ class MemoryBreakdown(Callback):
     ``other`` = peak - (params + grads + optimizer states + activations): temporaries, workspace, fragmentation.
     On CPU there are no allocator statistics, so ``other`` and ``peak_memory_bytes`` are ``None``.
 
+    Each requested step is measured at the first optimizer step at or after it: under manual optimization with two
+    optimizers ``global_step`` moves by 2 a batch (0, 2, 4, ...), so ``at_steps=[1]`` measures step 2. Requested steps
+    the run never reaches (beyond ``max_steps``) get one warning at the end of fit. A new run (a fit that starts at
+    ``global_step`` 0 without a checkpoint) measures afresh; a resumed one keeps the checkpoint's results.
+
     Args:
-        at_steps: optimizer steps (0-based ``global_step``) to measure; step 1 or later has optimizer states.
+        at_steps: optimizer steps (0-based ``global_step``) to measure, or one step as an int; step 1 or later has
+            optimizer states.
         model_state_fn: ``(trainer, module) -> {"params": bytes, "grads": ..., "optimizer_states": ...}``; default
             :func:`accounted_model_states` (the strategies' per-rank accounting).
 
@@ -58,28 +64,55 @@ class MemoryBreakdown(Callback):
         trainer = Trainer(callbacks=[MemoryBreakdown(at_steps=[1, 100])])
     """
 
-    def __init__(self, at_steps: Sequence[int] = (1,), model_state_fn: ModelStateFn | None = None) -> None:
-        steps = list(at_steps)
-        if not steps or any(not isinstance(s, int) or s < 0 for s in steps):
-            raise ConfigError("callbacks.memory_breakdown.at_steps", at_steps, "use a list of optimizer steps >= 0.")
-        self.at_steps = sorted(set(steps))
+    def __init__(self, at_steps: Sequence[int] | int = (1,), model_state_fn: ModelStateFn | None = None) -> None:
+        key = "callbacks.memory_breakdown.at_steps"
+        fix = "use a list of optimizer steps >= 0 (e.g. [1, 100]) or one step as an integer."
+        if isinstance(at_steps, int) and not isinstance(at_steps, bool):
+            steps: list[Any] = [at_steps]
+        elif isinstance(at_steps, (str, bytes)) or not isinstance(at_steps, Iterable):
+            raise ConfigError(key, at_steps, fix)
+        else:
+            steps = list(at_steps)
+        if not steps or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps):
+            raise ConfigError(key, at_steps, fix)
+        if model_state_fn is not None and not callable(model_state_fn):
+            raise ConfigError(
+                "callbacks.memory_breakdown.model_state_fn", model_state_fn, "use a function (trainer, module) -> dict."
+            )
+        self.at_steps: list[int] = sorted(set(steps))
         self.model_state_fn = model_state_fn
         self._counter: SavedTensorsCounter | None = None
         self._measuring_step: int | None = None
         self._states: dict[str, int] = {}
+        self._restored = False
         self.results: dict[int, dict[str, Any]] = {}
 
-    def _active(self, trainer: pl.Trainer) -> bool:
-        return trainer.global_step in self.at_steps and trainer.global_step not in self.results
+    def _pending(self) -> list[int]:
+        """Requested steps not measured yet: a measurement at step m covers every requested step <= m."""
+        done = max(self.results, default=-1)
+        return [s for s in self.at_steps if s > done]
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning restores callback state after `setup` (Trainer._run): only a restore of this run counts.
+        self._restored = False
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == 0 and not self._restored:
+            self.results = {}  # a new run is measured afresh
+        self._restored = False
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._active(trainer):
-            return
-        if self._measuring_step != trainer.global_step:
-            self._measuring_step = trainer.global_step
+        step = trainer.global_step
+        if self._measuring_step != step:
+            pending = self._pending()
+            if not pending or pending[0] > step:
+                return
+            self._measuring_step = step
             self._counter = SavedTensorsCounter(params=pl_module.parameters())
             self._states = {}
             if pl_module.device.type == "cuda":
@@ -89,13 +122,14 @@ class MemoryBreakdown(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._counter is not None and self._measuring_step == trainer.global_step:
+        if self._counter is not None:
             self._counter.mark()
             self._counter.stop()
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._counter is not None and self._measuring_step == trainer.global_step:
+        # Under manual optimization with several optimizers the first step's call counts (all gradients still set).
+        if self._counter is not None and not self._states:
             fn = self.model_state_fn or accounted_model_states
             self._states = dict(fn(trainer, pl_module))
 
@@ -123,12 +157,25 @@ class MemoryBreakdown(Callback):
             row["other"] = None
             row["peak_memory_bytes"] = None
             row["source"] = "tensor accounting (CPU: no allocator statistics)"
+        asked = [s for s in self._pending() if s <= step]
         self.results[step] = row
         self._counter = None
         self._measuring_step = None
         log_metrics(trainer, {f"memory/{k}_bytes": float(v) for k, v in row.items() if isinstance(v, int)}, step=step)
         gib = {k: v / 2**30 for k, v in row.items() if isinstance(v, int)}
-        rank_zero_info(f"MemoryBreakdown step {step}: " + ", ".join(f"{k} {v:.3f} GiB" for k, v in gib.items()))
+        note = f" (requested step {', '.join(map(str, asked))})" if asked and asked != [step] else ""
+        rank_zero_info(f"MemoryBreakdown step {step}{note}: " + ", ".join(f"{k} {v:.3f} GiB" for k, v in gib.items()))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        missing = self._pending()
+        if missing:
+            rank_zero_warn(
+                f"MemoryBreakdown: optimizer step(s) {missing} of callbacks.memory_breakdown.at_steps were never "
+                f"reached (the run ended at global_step {trainer.global_step}), so nothing was measured for them; "
+                "choose steps below trainer.max_steps.",
+                category=UserWarning,
+            )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -165,3 +212,4 @@ class MemoryBreakdown(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.results = {int(k): dict(v) for k, v in state_dict["results"].items()}
+        self._restored = True

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_trainopt.callbacks._common import log_interval, log_metrics
+from lightning_trainopt.callbacks._common import check_log_every, log_interval, log_metrics
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
 __all__ = ["NonFiniteGuard"]
+
+_KEY = "callbacks.non_finite_guard"
 
 
 def grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
@@ -26,21 +30,97 @@ def grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
     return full() if callable(full) else norm
 
 
+@dataclass(frozen=True)
+class GuardDecision:
+    """What the guard does with one optimizer step.
+
+    ``action``: ``ok``; ``overflow`` (fp16: the loss scaler skips the step itself, gradients are left to it);
+    ``skip`` (the guard drops the gradients); ``stop`` (drop them, or leave an overflow to the scaler, and stop the
+    run). ``what`` names the problem, ``why`` says why an fp16 overflow stops (else empty),
+    ``consecutive``/``overflow_streak`` are the streaks after this step.
+    """
+
+    action: Literal["ok", "overflow", "skip", "stop"]
+    what: str
+    consecutive: int
+    overflow_streak: int
+    why: str = ""
+
+
+def decide(
+    loss_finite: bool,
+    grads_finite: bool,
+    loss_scale: float | None,
+    policy: str,
+    consecutive: int,
+    overflow_streak: int,
+    max_consecutive: int,
+    max_overflow_streak: int,
+    min_loss_scale: float,
+) -> GuardDecision:
+    """The guard's policy as a pure function of one optimizer step.
+
+    - Finite loss and gradients: ``ok``; both streaks end.
+    - Under fp16 with a loss scaler (``loss_scale`` is the scale this step used), finite loss and non-finite
+      gradients is an overflow: normal fp16 behaviour, the scaler skips the step and lowers the scale. It is left
+      to the scaler (``overflow``) under either policy, until overflows persist: more than ``max_overflow_streak``
+      in a row, or an overflow at a scale at or below ``min_loss_scale`` (the scale cannot usefully fall further;
+      DeepSpeed exits there too), which ``stop``.
+    - A non-finite loss (any precision), or non-finite gradients without a loss scaler, is a real failure:
+      ``stop`` under ``policy="stop"``; under ``policy="skip"`` the step is skipped, and more than
+      ``max_consecutive`` in a row ``stop``.
+
+    Args:
+        loss_finite: every micro-batch loss of the step was finite (``True`` when none was seen).
+        grads_finite: the gradient norm was finite (``True`` without gradients).
+        loss_scale: the fp16 loss scaler's scale for this step, ``None`` without a scaler.
+        policy: ``skip`` or ``stop``.
+        consecutive: guard-skipped steps in a row before this one.
+        overflow_streak: fp16 overflow steps in a row before this one.
+        max_consecutive: skips in a row tolerated under ``skip``.
+        max_overflow_streak: fp16 overflows in a row tolerated.
+        min_loss_scale: an overflow at this scale or lower stops.
+    """
+    if loss_finite and grads_finite:
+        return GuardDecision("ok", "", 0, 0)
+    if loss_finite and loss_scale is not None:
+        streak = overflow_streak + 1
+        what = f"fp16 gradient overflow (loss scale {loss_scale:g}, {streak} overflow step(s) in a row)"
+        if streak > max_overflow_streak:
+            return GuardDecision("stop", what, 0, streak, f"more than max_overflow_streak={max_overflow_streak}")
+        if loss_scale <= min_loss_scale:
+            why = f"the loss scale is at or below min_loss_scale={min_loss_scale:g}"
+            return GuardDecision("stop", what, 0, streak, why)
+        return GuardDecision("overflow", what, 0, streak)
+    what = f"non-finite {'loss' if not loss_finite else 'gradient norm'}"
+    if loss_scale is not None:
+        what += f" (fp16 loss scale {loss_scale:g})"
+    bad = consecutive + 1
+    if policy == "stop" or bad > max_consecutive:
+        return GuardDecision("stop", what, bad, 0)
+    return GuardDecision("skip", what, bad, 0)
+
+
 class NonFiniteGuard(Callback):
     """Watches the loss and the (pre-clipping) gradient norm of every optimizer step.
 
-    With ``policy="skip"`` a non-finite step is skipped: gradients are set to ``None`` so the optimizer leaves
-    parameters and states untouched (the LR schedule still advances); more than ``max_consecutive`` skips in a row stop
-    the run. With ``policy="stop"`` the first non-finite step stops it. The stop message names the step and, under
-    fp16, the loss scale. Under fp16 the loss scaler skips overflowing steps itself; the guard counts those but only
-    stops after ``max_consecutive`` of them.
+    The policy (:func:`decide`): a non-finite loss, or non-finite gradients outside fp16, is a failure. With
+    ``policy="skip"`` the step is skipped (gradients set to ``None`` so the optimizer leaves parameters and states
+    untouched; the LR schedule still advances) and more than ``max_consecutive`` in a row stop the run; with
+    ``policy="stop"`` the first one stops it. Under fp16 with a loss scaler, non-finite gradients with a finite loss
+    are an overflow that the scaler skips by design: the guard lets it, under either policy, unless overflows persist
+    (more than ``max_overflow_streak`` in a row, or an overflow at a scale at or below ``min_loss_scale``). Every
+    stop message names the step and, under fp16, the loss scale and the overflow streak.
 
-    It reads one scalar per optimizer step (the decision to skip must be taken on the host); that is its only sync.
+    It reads one scalar per optimizer step (the decision to skip must be taken on the host); that is its only sync,
+    plus reading the loss scale on steps that are not finite.
 
     Args:
         policy: ``skip`` or ``stop``.
-        max_consecutive: non-finite steps in a row tolerated under ``skip`` (and fp16 overflows under either policy).
+        max_consecutive: non-finite steps in a row tolerated under ``skip``.
         log_every_n_steps: gradient-norm logging window (default: the Trainer's ``log_every_n_steps``).
+        max_overflow_streak: fp16 overflow steps in a row tolerated (either policy).
+        min_loss_scale: an fp16 overflow at this loss scale or lower stops the run (either policy).
 
     Example::
 
@@ -48,21 +128,36 @@ class NonFiniteGuard(Callback):
     """
 
     def __init__(
-        self, policy: Literal["skip", "stop"] = "skip", max_consecutive: int = 3, log_every_n_steps: int | None = None
+        self,
+        policy: Literal["skip", "stop"] = "skip",
+        max_consecutive: int = 3,
+        log_every_n_steps: int | None = None,
+        max_overflow_streak: int = 20,
+        min_loss_scale: float = 1.0,
     ) -> None:
         if policy not in ("skip", "stop"):
-            raise ConfigError("callbacks.non_finite_guard.policy", policy, "use skip or stop.")
-        if not isinstance(max_consecutive, int) or max_consecutive < 1:
-            raise ConfigError("callbacks.non_finite_guard.max_consecutive", max_consecutive, "use a positive integer.")
+            raise ConfigError(f"{_KEY}.policy", policy, "use skip or stop.")
+        for key, value in (("max_consecutive", max_consecutive), ("max_overflow_streak", max_overflow_streak)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{_KEY}.{key}", value, "use a positive integer (optimizer steps in a row).")
+        check_log_every(f"{_KEY}.log_every_n_steps", log_every_n_steps)
+        number = isinstance(min_loss_scale, (int, float)) and not isinstance(min_loss_scale, bool)
+        if not number or not math.isfinite(min_loss_scale) or min_loss_scale < 0:
+            raise ConfigError(f"{_KEY}.min_loss_scale", min_loss_scale, "use a number >= 0 (e.g. 1, DeepSpeed's).")
         self.policy = policy
         self.max_consecutive = max_consecutive
         self.log_every_n_steps = log_every_n_steps
+        self.max_overflow_streak = max_overflow_streak
+        self.min_loss_scale = float(min_loss_scale)
         self._loss_ok: torch.Tensor | None = None
         self.consecutive = 0
         self.skipped = 0
+        self.overflow_streak = 0
+        self.overflow_steps = 0
         self.stopped_at: int | None = None
         self.stop_reason: str | None = None
         self.last_grad_norm: float | None = None
+        self.loss_scale: float | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -75,13 +170,15 @@ class NonFiniteGuard(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        # Kept on the device across micro-batches; read once at the optimizer step.
+        # Kept on the device across micro-batches; read once at the optimizer step. Under fp16 this is the scaled
+        # loss (finite exactly when the loss is: fp32 times a finite power of two).
         finite = torch.isfinite(loss.detach()).all()
         self._loss_ok = finite if self._loss_ok is None else self._loss_ok & finite
 
-    def _loss_scale(self, trainer: pl.Trainer) -> float | None:
+    @staticmethod
+    def _scaler(trainer: pl.Trainer) -> Any | None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return float(scaler.get_scale()) if scaler is not None else None
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -96,51 +193,90 @@ class NonFiniteGuard(Callback):
             + ([norm.detach().float().reshape(()).to(checks[0].device)] if norm is not None else [])
         )
         host = values.tolist()  # the guard's one sync per optimizer step
-        ok = all(v == 1.0 for v in host[: len(checks)])
+        loss_finite = loss_ok is None or host[0] == 1.0
+        grads_finite = norm is None or host[len(checks) - 1] == 1.0
         step = trainer.global_step
         if norm is not None:
-            self.last_grad_norm = host[-1]
-            if step % log_interval(trainer, self.log_every_n_steps) == 0 and ok:
+            self.last_grad_norm = host[-1] if math.isfinite(host[-1]) else None
+            if grads_finite and loss_finite and step % log_interval(trainer, self.log_every_n_steps) == 0:
                 log_metrics(trainer, {"grad_norm": host[-1]})
-        if ok:
-            self.consecutive = 0
+        if loss_finite and grads_finite:
+            self.consecutive = self.overflow_streak = 0
             return
-        self.consecutive += 1
-        self.skipped += 1
-        scale = self._loss_scale(trainer)
-        fp16_overflow = scale is not None
-        what = f"non-finite {'loss' if loss_ok is not None and host[0] != 1.0 else 'gradient norm'} at step {step}"
-        scale_note = f" (fp16 loss scale {scale:g})" if scale is not None else ""
-        if self.policy == "stop" and not fp16_overflow or self.consecutive > self.max_consecutive:
+        scaler = self._scaler(trainer)
+        self.loss_scale = float(scaler.get_scale()) if scaler is not None else None
+        d = decide(
+            loss_finite,
+            grads_finite,
+            self.loss_scale,
+            self.policy,
+            self.consecutive,
+            self.overflow_streak,
+            self.max_consecutive,
+            self.max_overflow_streak,
+            self.min_loss_scale,
+        )
+        self.consecutive, self.overflow_streak = d.consecutive, d.overflow_streak
+        if d.action == "overflow":
+            self.overflow_steps += 1
+            if d.overflow_streak == 1:
+                rank_zero_info(f"NonFiniteGuard: {d.what} at step {step}; the loss scaler skips it (normal for fp16).")
+            return
+        if d.overflow_streak:
+            self.overflow_steps += 1  # a persistent overflow that stops the run
+        else:
+            self.skipped += 1
+            # Dropping the gradients makes torch optimizers skip every parameter (no state update).
+            optimizer.zero_grad(set_to_none=True)
+        if d.action == "stop":
             self.stopped_at = step
+            detail = f": {d.why}" if d.why else f", {d.consecutive} in a row"
             self.stop_reason = (
-                f"NonFiniteGuard stopped training: {what}{scale_note}, {self.consecutive} in a row. "
+                f"NonFiniteGuard stopped training: {d.what} at step {step}{detail}. "
                 "Lower optimizer.lr, raise warmup, set trainer.gradient_clip_val, or use bf16 instead of fp16."
             )
             rank_zero_warn(self.stop_reason)
             trainer.should_stop = True
         else:
-            rank_zero_warn(f"NonFiniteGuard: skipping {what}{scale_note} ({self.consecutive} in a row).")
-        if not fp16_overflow:
-            # Dropping the gradients makes torch optimizers skip every parameter (no state update).
-            optimizer.zero_grad(set_to_none=True)
+            rank_zero_warn(f"NonFiniteGuard: skipping {d.what} at step {step} ({d.consecutive} in a row).")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scaler = self._scaler(trainer)
+        if scaler is not None:
+            self.loss_scale = float(scaler.get_scale())
 
     def summary(self) -> dict[str, Any]:
-        """``{"non_finite": {"skipped_steps", "stopped_at_step", "stop_reason", "last_grad_norm"}}``."""
+        """``{"non_finite": {"skipped_steps", "overflow_steps", "stopped_at_step", "stop_reason", "last_grad_norm",
+        "loss_scale"}}``, JSON-safe.
+
+        ``skipped_steps``: steps the guard skipped; ``overflow_steps``: fp16 steps the loss scaler skipped;
+        ``last_grad_norm``: the last step's gradient norm (``None`` when it was not finite); ``loss_scale``: the
+        fp16 scaler's scale at the end (``None`` without one).
+        """
         return {
             "non_finite": {
                 "skipped_steps": self.skipped,
+                "overflow_steps": self.overflow_steps,
                 "stopped_at_step": self.stopped_at,
                 "stop_reason": self.stop_reason,
                 "last_grad_norm": self.last_grad_norm,
+                "loss_scale": self.loss_scale,
             }
         }
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped": self.skipped, "consecutive": self.consecutive}
+        return {
+            "skipped": self.skipped,
+            "consecutive": self.consecutive,
+            "overflow_steps": self.overflow_steps,
+            "overflow_streak": self.overflow_streak,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = int(state_dict["skipped"])
         self.consecutive = int(state_dict["consecutive"])
+        self.overflow_steps = int(state_dict.get("overflow_steps", 0))
+        self.overflow_streak = int(state_dict.get("overflow_streak", 0))

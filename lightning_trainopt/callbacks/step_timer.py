@@ -32,6 +32,12 @@ class StepTimer(Callback):
     Timestamps are taken at hook boundaries: host ``perf_counter`` on CPU, CUDA events on GPU (recorded
     asynchronously, read once per logging window), so the training loop is never synchronised per step.
 
+    ``data_wait`` is the time the training loop spends in ``next()`` on its data fetcher, timed through the loop's
+    fetch hooks (the ones Lightning's profilers use for ``train_dataloader_next``). The rest of the gap between two
+    steps (checkpoint saving, other callbacks, logging) is ``other``, so a slow checkpoint is never called input-bound.
+    If a Lightning version lacks those hooks, one line says so and the whole gap counts as ``data_wait``
+    (``fetch_timed: false``).
+
     Exposed communication (``comm``) is the time from the hand-over of the last gradient to the reduction until
     backward returns with reduced gradients; it is taken out of ``backward``. Where it is measured:
 
@@ -52,6 +58,8 @@ class StepTimer(Callback):
         input_threshold: share of wall time in data wait + copy above which the verdict is ``input-bound``.
         optimizer_threshold: share in the optimizer step above which it is ``optimizer/offload-bound``.
         comm_threshold: share of measured exposed communication above which it is ``communication-bound``.
+        other_threshold: share of ``other`` (checkpointing, callbacks, logging between steps) above which it is
+            ``overhead-bound``.
         clock: seconds since an arbitrary origin (tests inject a fake; default ``time.perf_counter``).
 
     Example::
@@ -66,6 +74,7 @@ class StepTimer(Callback):
         input_threshold: float = 0.15,
         optimizer_threshold: float = 0.30,
         comm_threshold: float = 0.25,
+        other_threshold: float = 0.30,
         clock: Clock | None = None,
     ) -> None:
         check_log_every("callbacks.step_timer.log_every_n_steps", log_every_n_steps)
@@ -75,14 +84,16 @@ class StepTimer(Callback):
             ("input_threshold", input_threshold),
             ("optimizer_threshold", optimizer_threshold),
             ("comm_threshold", comm_threshold),
+            ("other_threshold", other_threshold),
         ):
-            if not 0.0 < value < 1.0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 < value < 1.0:
                 raise ConfigError(f"callbacks.step_timer.{key}", value, "use a fraction between 0 and 1.")
         self.log_every_n_steps = log_every_n_steps
         self.warmup_steps = warmup_steps
         self.input_threshold = input_threshold
         self.optimizer_threshold = optimizer_threshold
         self.comm_threshold = comm_threshold
+        self.other_threshold = other_threshold
         self._clock = clock or default_clock
         self._cuda = False
         self._marks: list[tuple[str, Any]] = []
@@ -91,6 +102,8 @@ class StepTimer(Callback):
         self._verdict: Verdict | None = None
         self._loader: dict[str, Any] = {}
         self._patched: tuple[Any, Any] | None = None
+        self._fetch_patched: Any = None
+        self._fetch_timed = False
         self._probe: CommProbe | None = None
         self._probe_kind: str | None = None
         self._comm_note: str | None = None
@@ -132,6 +145,37 @@ class StepTimer(Callback):
         # An instance attribute shadows the method for the loop's `_call_strategy_hook`; teardown removes it.
         strategy.batch_to_device = timed_batch_to_device  # type: ignore[method-assign]
         self._patched = (strategy, original)
+        self._patch_fetch(trainer)
+
+    def _patch_fetch(self, trainer: pl.Trainer) -> None:
+        # The training epoch loop hands its `_on_before_fetch`/`_on_after_fetch` methods to the data fetcher at every
+        # epoch start (`_TrainingEpochLoop.on_run_start`); the fetcher calls them right around `next(iterator)`.
+        # Instance attributes shadow the methods for that lookup; teardown removes them. Private API: guarded.
+        loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        before = getattr(loop, "_on_before_fetch", None)
+        after = getattr(loop, "_on_after_fetch", None)
+        if loop is None or not (callable(before) and callable(after)):
+            self._fetch_timed = False
+            rank_zero_info(
+                "StepTimer: this Lightning version has no fetch hooks on the training loop, so the dataloader fetch is "
+                "not timed; data_wait is the whole gap between steps (it then includes checkpointing and callbacks)."
+            )
+            return
+
+        def timed_before() -> None:
+            before()
+            if trainer.training:
+                self._mark("fetch_start")
+
+        def timed_after() -> None:
+            if trainer.training:
+                self._mark("fetch_end")
+            after()
+
+        loop._on_before_fetch = timed_before
+        loop._on_after_fetch = timed_after
+        self._fetch_patched = loop
+        self._fetch_timed = True
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -162,6 +206,12 @@ class StepTimer(Callback):
             if "batch_to_device" in vars(strategy):
                 del strategy.batch_to_device
             self._patched = None
+        if self._fetch_patched is not None:
+            loop = self._fetch_patched
+            for name in ("_on_before_fetch", "_on_after_fetch"):
+                if name in vars(loop):
+                    delattr(loop, name)
+            self._fetch_patched = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -225,7 +275,7 @@ class StepTimer(Callback):
 
     def _close_window(self, trainer: pl.Trainer) -> None:
         times = self._resolve()
-        split = split_marks(times, comm_measured=self._probe is not None)
+        split = split_marks(times, comm_measured=self._probe is not None, fetch_timed=self._fetch_timed)
         self._marks = self._marks[-1:]
         if split.steps == 0 or split.wall <= 0:
             return
@@ -251,6 +301,7 @@ class StepTimer(Callback):
             input_threshold=self.input_threshold,
             optimizer_threshold=self.optimizer_threshold,
             comm_threshold=self.comm_threshold,
+            other_threshold=self.other_threshold,
         )
         v = self._verdict
         fixes = "; ".join(v.remedies)
@@ -262,8 +313,10 @@ class StepTimer(Callback):
         return self._total
 
     def summary(self) -> dict[str, Any]:
-        """``{"step_time": {<phase>_frac, step_s, steps, comm_measured, comm_probe, comm_note, verdict, ...}}``.
+        """``{"step_time": {<phase>_frac, step_s, steps, fetch_timed, comm_measured, comm_probe, verdict, ...}}``.
 
+        ``other_frac`` is the time in no phase (checkpointing, callbacks, logging between steps); ``fetch_timed`` says
+        ``data_wait`` is the timed fetch (false: the whole gap between steps, an upper bound).
         ``comm_frac`` is among the fractions only when ``comm_measured``; ``comm_probe`` names the probe of the last
         fit (``ddp_comm_hook`` or None) and ``comm_note`` why there was none (None on a single device);
         ``verdict``, ``reason`` and ``remedies`` come from :func:`~lightning_trainopt.core.step_time.step_verdict`.
@@ -272,6 +325,7 @@ class StepTimer(Callback):
         out: dict[str, Any] = {f"{k}_frac": v for k, v in total.fractions().items()}
         out["step_s"] = total.wall / total.steps if total.steps else None
         out["steps"] = total.steps
+        out["fetch_timed"] = self._fetch_timed
         out["comm_measured"] = total.comm_measured
         out["comm_probe"] = self._probe_kind
         out["comm_note"] = self._comm_note

@@ -2,7 +2,9 @@
 
 A step is split at hook boundaries into phases (seconds summed over a window):
 
-- ``data_wait``: between the end of one batch and the start of the next (the dataloader, plus the loop's bookkeeping);
+- ``data_wait``: fetching the next batch from the dataloader (marks ``fetch_start``/``fetch_end`` around the loop's
+  ``next()`` on its data fetcher), wherever it happens (between steps, or inside ``training_step`` for a module that
+  takes ``dataloader_iter``);
 - ``h2d``: the host-to-device copy of the batch (``strategy.batch_to_device``);
 - ``forward`` and ``backward`` (gradient compute);
 - ``optimizer``: gradient clipping hooks, the optimizer step (and ZeRO/CPU offload work) and zero_grad;
@@ -10,6 +12,10 @@ A step is split at hook boundaries into phases (seconds summed over a window):
   (mark ``grads_ready``) until backward returns with reduced gradients. Only a strategy with a probe sets that mark
   (today DDP, through a communication hook); elsewhere the wait lies inside the other phases and ``comm`` is absent
   from the fractions.
+
+Everything else in the gap between two steps (checkpoint saving, other callbacks' hooks, logging, the loop's
+bookkeeping) belongs to no phase and shows up as ``other``. Where the fetch cannot be timed (``fetch_timed=False``),
+the whole gap counts as ``data_wait``, as an upper bound.
 
 Marks are ``(name, seconds)`` pairs taken at hook boundaries; :func:`split_marks` turns them into a
 :class:`StepSplit`.
@@ -24,11 +30,9 @@ __all__ = ["PHASES", "StepSplit", "Verdict", "split_marks", "step_verdict"]
 
 PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "comm")
 
-# (previous mark, next mark) -> phase; pairs not listed count as "other".
+# (previous mark, next mark) -> phase, fetch marks left out (fetch time is taken out of the span around it);
+# pairs not listed count as "other".
 _PHASE_OF = {
-    ("batch_end", "h2d_start"): "data_wait",
-    ("batch_end", "batch_start"): "data_wait",
-    ("h2d_end", "batch_start"): "data_wait",
     ("h2d_start", "h2d_end"): "h2d",
     ("batch_start", "before_backward"): "forward",
     ("before_backward", "after_backward"): "backward",  # no reduction in this backward (no_sync) or no probe
@@ -37,6 +41,8 @@ _PHASE_OF = {
     ("after_backward", "before_optimizer_step"): "optimizer",
     ("before_optimizer_step", "batch_end"): "optimizer",
 }
+# The gap between two steps outside the fetch: "other", or all of it "data_wait" when the fetch is not timed.
+_GAP = {("batch_end", "h2d_start"), ("batch_end", "batch_start"), ("h2d_end", "batch_start")}
 
 
 @dataclass
@@ -61,7 +67,7 @@ class StepSplit:
         self.comm_measured = self.comm_measured or other.comm_measured
 
     def fractions(self) -> dict[str, float]:
-        """Each phase as a fraction of wall time, plus ``other`` (time in no phase: logging, callbacks, ...)."""
+        """Each phase as a fraction of wall time, plus ``other`` (in no phase: checkpointing, callbacks, logging)."""
         if self.wall <= 0:
             return {}
         out = {k: v / self.wall for k, v in self.seconds.items() if k != "comm" or self.comm_measured}
@@ -77,10 +83,12 @@ class StepSplit:
         }
 
 
-def split_marks(times: list[tuple[str, float]], comm_measured: bool = False) -> StepSplit:
+def split_marks(times: list[tuple[str, float]], comm_measured: bool = False, fetch_timed: bool = True) -> StepSplit:
     """Turn consecutive ``(mark, seconds)`` pairs into a :class:`StepSplit`.
 
     Wall time is last - first mark, less the time between a ``pause`` and the next mark (validation loops).
+    ``fetch_start``/``fetch_end`` pairs are ``data_wait`` and are taken out of the span they fall in, so the rest of
+    the gap between two steps (checkpointing, callbacks, logging) stays ``other``.
     A ``grads_ready`` mark inside a backward splits it: before it is gradient compute (``backward``), after it the
     wait for the gradient reduction (``comm``). A backward without one (a ``no_sync`` micro-batch under gradient
     accumulation, which reduces nothing) is all ``backward``.
@@ -89,15 +97,35 @@ def split_marks(times: list[tuple[str, float]], comm_measured: bool = False) -> 
         times: marks in the order they were taken.
         comm_measured: a probe placed ``grads_ready`` marks in this window, so ``comm`` is a measurement (a zero
             means no exposed communication, not "unknown").
+        fetch_timed: the dataloader fetch was timed. If not, the whole gap between steps counts as ``data_wait``
+            (an upper bound: it then includes checkpointing and callbacks).
     """
     split = StepSplit(comm_measured=comm_measured)
     paused = 0.0
-    for (a, ta), (b, tb) in zip(times, times[1:]):
-        phase = _PHASE_OF.get((a, b))
-        if phase is not None:
-            split.add(phase, tb - ta)
-        elif a == "pause":
-            paused += tb - ta
+    prev: tuple[str, float] | None = None
+    fetch_from: float | None = None
+    fetched = 0.0  # fetch seconds inside the span since `prev`
+    for name, t in times:
+        if name == "fetch_start":
+            fetch_from = t
+            continue
+        if name == "fetch_end":
+            if fetch_from is not None:
+                split.add("data_wait", t - fetch_from)
+                fetched += t - fetch_from
+                fetch_from = None
+            continue
+        if prev is not None:
+            a, ta = prev
+            phase = _PHASE_OF.get((a, name))
+            if phase is None and not fetch_timed and (a, name) in _GAP:
+                phase = "data_wait"
+            if phase is not None:
+                split.add(phase, t - ta - fetched)
+            elif a == "pause":
+                paused += t - ta
+        prev = (name, t)
+        fetched = 0.0
     if len(times) > 1:
         split.wall = times[-1][1] - times[0][1] - paused
     split.steps = sum(1 for name, _ in times if name == "before_optimizer_step")
@@ -123,8 +151,10 @@ def step_verdict(
     input_threshold: float = 0.15,
     optimizer_threshold: float = 0.30,
     comm_threshold: float = 0.25,
+    other_threshold: float = 0.30,
 ) -> Verdict:
-    """Classify a step as ``input-bound``, ``optimizer/offload-bound``, ``communication-bound`` or ``compute-bound``.
+    """Classify a step as ``input-bound``, ``optimizer/offload-bound``, ``communication-bound``, ``overhead-bound`` or
+    ``compute-bound``.
 
     The first threshold crossed in that order wins: input stalls waste everything else, so they come first.
 
@@ -136,6 +166,8 @@ def step_verdict(
         input_threshold: fraction of wall time in ``data_wait + h2d`` above which the step is input-bound.
         optimizer_threshold: fraction in ``optimizer`` above which it is optimizer/offload-bound.
         comm_threshold: fraction in measured ``comm`` above which it is communication-bound.
+        other_threshold: fraction in ``other`` (time in no phase: checkpoint saving, callbacks, logging between
+            steps) above which it is overhead-bound.
     """
     f = split.fractions()
     if not f:
@@ -185,6 +217,18 @@ def step_verdict(
                 "use a larger DDP bucket_cap_mb or ZeRO-2 overlap_comm",
                 "keep tensor parallelism inside one node",
                 "rule out a straggler: waiting in the all-reduce for a slower rank (data, busy host) counts here too",
+            ),
+        )
+    if f.get("other", 0.0) > other_threshold:
+        return Verdict(
+            "overhead-bound",
+            f"{pct['other']:.0f}% of wall time is outside data, copy, compute and optimizer "
+            "(checkpoint saving, callbacks, logging between steps)",
+            (
+                "save checkpoints less often (ModelCheckpoint every_n_train_steps / every_n_epochs)",
+                "log less often (raise trainer.log_every_n_steps)",
+                "find the slow hook with Lightning's SimpleProfiler (+trainer.profiler=simple lists per-hook time)",
+                "raise the micro-batch so the fixed per-step cost is spread over more tokens",
             ),
         )
     compute = f.get("forward", 0.0) + f.get("backward", 0.0)

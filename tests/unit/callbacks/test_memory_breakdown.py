@@ -1,5 +1,7 @@
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_trainopt.callbacks import MemoryBreakdown
 from lightning_trainopt.core.saved_tensors import measure_saved_tensors
@@ -48,8 +50,6 @@ def test_injected_model_state_fn():
     )
     tiny_trainer([cb], max_steps=1).fit(tiny_module(), tiny_data())
     assert (cb.results[0]["params"], cb.results[0]["grads"], cb.results[0]["optimizer_states"]) == (1, 2, 3)
-    with pytest.raises(ConfigError, match="at_steps"):
-        MemoryBreakdown(at_steps=[-1])
 
 
 @RunIf(min_cuda_gpus=1)
@@ -61,3 +61,72 @@ def test_allocator_peak_on_gpu():
     known = row["params"] + row["grads"] + row["optimizer_states"] + row["activations"]
     assert row["other"] == row["peak_memory_bytes"] - known
     assert row["activations"] > 0
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization stepping two optimizers per batch: global_step goes 0, 2, 4, ... (audit t5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        body, head = self.optimizers()
+        loss = self.head(torch.relu(self.body(x))).pow(2).mean()
+        body.zero_grad()
+        head.zero_grad()
+        self.manual_backward(loss)
+        body.step()
+        head.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.AdamW(self.head.parameters(), lr=1e-3)]
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4)
+
+
+def test_a_skipped_step_is_measured_at_the_next_one_and_unreached_steps_warn():
+    cb = MemoryBreakdown(at_steps=[1, 3, 40])
+    with pytest.warns(
+        UserWarning, match=r"optimizer step\(s\) \[40\] .* never reached \(the run ended at global_step 12\)"
+    ):
+        tiny_trainer([cb], max_steps=12).fit(TwoOptimizers(), _loader())
+    assert sorted(cb.results) == [2, 4]  # global_step never equals 1 or 3
+    row = cb.results[2]
+    assert row["params"] == (8 * 8 + 8 + 8 + 1) * 4
+    assert row["optimizer_states"] == 2 * (8 + 1) * 4 + 2 * 4  # AdamW on the head only: exp_avg, exp_avg_sq, step
+    assert row["activations"] > 0
+    assert cb.summary()["memory_breakdown"]["step"] == 4
+
+
+def test_one_step_as_an_int_and_a_new_run_measures_again():
+    cb = MemoryBreakdown(at_steps=2)
+    assert cb.at_steps == [2]
+    for _ in range(2):
+        cb.results[99] = {"params": 0}  # left over from an earlier run: a new fit starts afresh
+        tiny_trainer([cb], max_steps=6).fit(TwoOptimizers(), _loader())
+        assert sorted(cb.results) == [2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"at_steps": "5"}, "at_steps"),
+        ({"at_steps": [1.5]}, "at_steps"),
+        ({"at_steps": True}, "at_steps"),
+        ({"at_steps": []}, "at_steps"),
+        ({"at_steps": [-1]}, "at_steps"),
+        ({"at_steps": None}, "at_steps"),
+        ({"model_state_fn": "accounted"}, "model_state_fn"),
+    ],
+)
+def test_bad_arguments_are_refused_in_init(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        MemoryBreakdown(**kwargs)
+    assert err.value.key == f"callbacks.memory_breakdown.{key}"
+    assert err.value.value == kwargs[key]

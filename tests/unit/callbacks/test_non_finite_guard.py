@@ -1,9 +1,16 @@
+import json
+
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_trainopt.callbacks import NonFiniteGuard
+from lightning_trainopt.callbacks.non_finite_guard import decide
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.lit_gpt import LitGPT
+from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_trainer
 
 
@@ -58,3 +65,163 @@ def test_too_many_in_a_row_stops_under_skip():
 def test_bad_policy():
     with pytest.raises(ConfigError, match="policy"):
         NonFiniteGuard(policy="ignore")
+
+
+# ---- the policy as a pure function ---------------------------------------------------------------------------------
+
+LIMITS = {"max_consecutive": 2, "max_overflow_streak": 3, "min_loss_scale": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("loss_finite", "grads_finite", "scale", "policy", "streaks", "expected"),
+    [
+        # healthy step: both streaks end
+        (True, True, 1024.0, "stop", (1, 2), ("ok", 0, 0)),
+        # fp16 overflow (finite loss, inf gradients): the scaler's business under either policy
+        (True, False, 1024.0, "stop", (0, 0), ("overflow", 0, 1)),
+        (True, False, 1024.0, "skip", (0, 2), ("overflow", 0, 3)),
+        # ... until it persists: a 4th in a row (> 3), or an overflow at a scale at or below the floor
+        (True, False, 1024.0, "skip", (0, 3), ("stop", 0, 4)),
+        (True, False, 1.0, "skip", (0, 0), ("stop", 0, 1)),
+        # a non-finite loss is a failure under fp16 too
+        (False, False, 1024.0, "stop", (0, 0), ("stop", 1, 0)),
+        (False, True, 1024.0, "skip", (0, 2), ("skip", 1, 0)),
+        # without a scaler, non-finite gradients are a failure
+        (True, False, None, "stop", (0, 0), ("stop", 1, 0)),
+        (True, False, None, "skip", (1, 0), ("skip", 2, 0)),
+        (True, False, None, "skip", (2, 0), ("stop", 3, 0)),
+    ],
+)
+def test_decide(loss_finite, grads_finite, scale, policy, streaks, expected):
+    d = decide(loss_finite, grads_finite, scale, policy, *streaks, **LIMITS)
+    assert (d.action, d.consecutive, d.overflow_streak) == expected
+
+
+def test_decide_names_the_loss_scale_state():
+    d = decide(True, False, 1024.0, "stop", 0, 3, **LIMITS)
+    assert d.what == "fp16 gradient overflow (loss scale 1024, 4 overflow step(s) in a row)"
+    assert d.why == "more than max_overflow_streak=3"
+    assert decide(True, False, 0.5, "stop", 0, 0, **LIMITS).why == "the loss scale is at or below min_loss_scale=1"
+    assert decide(False, True, 65536.0, "stop", 0, 0, **LIMITS).what == "non-finite loss (fp16 loss scale 65536)"
+    assert decide(True, False, None, "stop", 0, 0, **LIMITS).what == "non-finite gradient norm"
+
+
+# ---- fp16 on CPU: Lightning's MixedPrecision with a real GradScaler ----------------------------------------------
+
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward; backward returns infinite gradients (an fp16 overflow, with a finite loss)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class Fp16Module(pl.LightningModule):
+    def __init__(self, overflow_steps=(), nan_loss_steps=()) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+        self.overflow_steps, self.nan_loss_steps = set(overflow_steps), set(nan_loss_steps)
+        self.weights: dict[int, torch.Tensor] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.weights[self.global_step] = self.layer.weight.detach().clone()
+        (x,) = batch
+        out = self.layer(x)
+        if self.global_step in self.overflow_steps:
+            out = InfGrad.apply(out)
+        loss = out.float().pow(2).mean()
+        return loss * float("nan") if self.global_step in self.nan_loss_steps else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fp16_fit(guard, module, init_scale=1024.0, max_steps=8, device="cpu"):
+    # At the default scale of 65536 this module's gradients overflow fp16 on their own at step 0 (a real, normal
+    # overflow); 1024 keeps the injected ones the only ones.
+    plugin = MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, init_scale=init_scale))
+    accelerator = "gpu" if device == "cuda" else "cpu"
+    trainer = tiny_trainer([guard], max_steps=max_steps, plugins=[plugin], accelerator=accelerator)
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
+    return trainer
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=RunIf(min_cuda_gpus=1))])
+def test_fp16_overflows_are_left_to_the_scaler_under_stop(device):
+    guard = NonFiniteGuard(policy="stop")
+    module = Fp16Module(overflow_steps={2, 3})
+    trainer = _fp16_fit(guard, module, device=device)
+    assert trainer.global_step == 8  # not stopped
+    s = guard.summary()["non_finite"]
+    assert (s["overflow_steps"], s["skipped_steps"], s["stopped_at_step"]) == (2, 0, None)
+    assert s["loss_scale"] == 1024.0 / 4  # halved by each overflow, no growth within 2000 steps
+    assert torch.equal(module.weights[2], module.weights[4])  # the scaler skipped both updates
+    assert not torch.equal(module.weights[1], module.weights[2])
+    json.dumps(guard.summary(), allow_nan=False)
+
+
+def test_fp16_persistent_overflows_stop_with_the_loss_scale_state():
+    guard = NonFiniteGuard(policy="skip", max_overflow_streak=3)
+    with pytest.warns(UserWarning, match=r"fp16 gradient overflow \(loss scale 128, 4 overflow step\(s\) in a row\) "):
+        trainer = _fp16_fit(guard, Fp16Module(overflow_steps=range(1, 8)))
+    assert guard.stopped_at == 4
+    assert trainer.global_step == 5
+    assert guard.stop_reason.startswith(
+        "NonFiniteGuard stopped training: fp16 gradient overflow (loss scale 128, 4 overflow step(s) in a row) "
+        "at step 4: more than max_overflow_streak=3."
+    )
+    # The same overflows from a small scale reach the floor first: an overflow at scale 1 stops.
+    floor = NonFiniteGuard(policy="stop")
+    with pytest.warns(UserWarning, match="at step 2: the loss scale is at or below min_loss_scale=1"):
+        _fp16_fit(floor, Fp16Module(overflow_steps=range(8)), init_scale=4.0)
+    assert floor.stopped_at == 2
+    assert floor.summary()["non_finite"]["overflow_steps"] == 3
+
+
+def test_fp16_non_finite_loss_stops_at_once_under_stop():
+    # Audit t10: the loss itself is NaN under fp16; `stop` used to treat it as an overflow and train on.
+    guard = NonFiniteGuard(policy="stop")
+    with pytest.warns(UserWarning, match=r"stopped training: non-finite loss \(fp16 loss scale 1024\) at step 3"):
+        trainer = _fp16_fit(guard, Fp16Module(nan_loss_steps={3}))
+    assert guard.stopped_at == 3
+    assert trainer.global_step == 4
+
+
+# ---- summary and arguments -------------------------------------------------------------------------------------
+
+
+def test_summary_is_strict_json_after_a_non_finite_last_step():
+    # Audit t9: a NaN gradient norm at the last step went into metrics.json as a bare NaN.
+    guard = NonFiniteGuard(policy="skip")
+    with pytest.warns(UserWarning, match="skipping non-finite loss at step 3"):
+        tiny_trainer([guard], max_steps=4).fit(NaNAt({3}), tiny_data())
+    s = guard.summary()
+    assert s["non_finite"]["last_grad_norm"] is None
+    assert s["non_finite"]["loss_scale"] is None
+    assert json.loads(json.dumps(s, allow_nan=False)) == s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"log_every_n_steps": -3}, "log_every_n_steps"),
+        ({"log_every_n_steps": "5"}, "log_every_n_steps"),
+        ({"max_consecutive": 0}, "max_consecutive"),
+        ({"max_consecutive": True}, "max_consecutive"),
+        ({"max_overflow_streak": 0}, "max_overflow_streak"),
+        ({"min_loss_scale": "1"}, "min_loss_scale"),
+        ({"min_loss_scale": -1.0}, "min_loss_scale"),
+        ({"min_loss_scale": float("nan")}, "min_loss_scale"),
+    ],
+)
+def test_bad_arguments_are_refused_in_init(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        NonFiniteGuard(**kwargs)
+    assert err.value.key == f"callbacks.non_finite_guard.{key}"
+    assert "is invalid: use" in str(err.value)

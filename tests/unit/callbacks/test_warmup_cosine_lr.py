@@ -2,11 +2,18 @@ from functools import partial
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_trainopt.callbacks import WarmupCosineLR
+from lightning_trainopt.core.schedules import warmup_cosine_factor
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.models.lit_gpt import warmup_cosine
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
+
+
+def _loader(n: int = 64) -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(n, 4)), batch_size=4)
 
 
 class LrRecorder(pl.Callback):
@@ -44,6 +51,116 @@ def test_resume_from_checkpoint_continues_the_curve(tmp_path):
     rec = LrRecorder()
     tiny_trainer([resumed, rec], max_steps=8).fit(tiny_module(), tiny_data(), ckpt_path=ckpt)
     assert [r[0] for r in rec.lrs] == pytest.approx([r[0] for r in full.lrs[4:]], rel=1e-12)
+
+
+class OneOptimizer(pl.LightningModule):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def test_each_fit_starts_from_its_own_optimizer_lr():
+    # Audit t8: the same callback in a second fit kept the first fit's peak (1e-3) although the module asked for 1e-2.
+    cb = WarmupCosineLR(warmup_steps=2, min_lr_ratio=0.1)
+    first, second = LrRecorder(), LrRecorder()
+    tiny_trainer([cb, first], max_steps=6).fit(OneOptimizer(lr=1e-3), _loader())
+    tiny_trainer([cb, second], max_steps=6).fit(OneOptimizer(lr=1e-2), _loader())
+    expected = [warmup_cosine_factor(k, 2, 6, 0.1) for k in range(6)]
+    assert [r[0] for r in first.lrs] == pytest.approx([1e-3 * f for f in expected], rel=1e-12)
+    assert [r[0] for r in second.lrs] == pytest.approx([1e-2 * f for f in expected], rel=1e-12)
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Audit t19: manual optimization, two optimizers stepped on every batch (global_step advances by 2 a batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 1)
+        self.lrs: list[tuple[float, float]] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        body, head = self.optimizers()
+        self.lrs.append((body.param_groups[0]["lr"], head.param_groups[0]["lr"]))
+        loss = self.head(self.body(x)).pow(2).mean()
+        body.zero_grad()
+        head.zero_grad()
+        self.manual_backward(loss)
+        body.step()
+        head.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.AdamW(self.head.parameters(), lr=1e-3)]
+
+
+def test_manual_optimization_with_two_optimizers_steps_once_per_batch():
+    # An epoch of 16 batches: the schedule spans the 16 batches (before: total 16 read against a global_step that
+    # reached 32, so the second half of the epoch ran at lr 0).
+    cb = WarmupCosineLR(warmup_steps=2)
+    module = TwoOptimizers()
+    trainer = tiny_trainer([cb], max_steps=-1, max_epochs=1)
+    trainer.fit(module, _loader())
+    assert trainer.global_step == 32
+    factors = [warmup_cosine_factor(k, 2, 16) for k in range(16)]
+    assert [lr for lr, _ in module.lrs] == pytest.approx([0.1 * f for f in factors], rel=1e-12)
+    assert [lr for _, lr in module.lrs] == pytest.approx([1e-3 * f for f in factors], rel=1e-12)
+    assert module.lrs[-1][0] > 0  # the last batch is still on the cosine, not past its end
+    summary = cb.summary()["lr_schedule"]
+    assert (summary["total_steps"], summary["step"], summary["unit"]) == (16, 16, "batches_that_stepped")
+
+
+def test_manual_optimization_resume_continues_the_curve(tmp_path):
+    full = TwoOptimizers()
+    tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=8)], max_steps=16).fit(full, _loader())
+    half = tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=8)], max_steps=8)
+    half.fit(TwoOptimizers(), _loader())
+    ckpt = str(tmp_path / "half.ckpt")
+    half.save_checkpoint(ckpt)
+    resumed = TwoOptimizers()
+    tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=8)], max_steps=16).fit(resumed, _loader(), ckpt_path=ckpt)
+    assert len(full.lrs) == 8
+    assert resumed.lrs == full.lrs[4:]
+
+
+def test_manual_optimization_with_two_optimizers_and_max_steps_needs_total_steps():
+    # max_steps counts every optimizer.step(): 12 is 6 batches here, 12 with one optimizer; refused, not guessed.
+    trainer = tiny_trainer([WarmupCosineLR(warmup_steps=2)], max_steps=12)
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=12 counts every optimizer.step\(\)") as err:
+        trainer.fit(TwoOptimizers(), _loader())
+    assert err.value.key == "callbacks.warmup_cosine_lr.total_steps"
+    assert "e.g. 6 if every batch steps all 2 optimizers" in str(err.value)
+    module = TwoOptimizers()
+    tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=6)], max_steps=12).fit(module, _loader())
+    assert [lr for lr, _ in module.lrs] == pytest.approx([0.1 * warmup_cosine_factor(k, 2, 6) for k in range(6)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"min_lr_ratio": "a"}, "min_lr_ratio"),
+        ({"min_lr_ratio": "0.1"}, "min_lr_ratio"),
+        ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2, "total_steps": 0}, "total_steps"),
+    ],
+)
+def test_bad_arguments_are_refused_in_init(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        WarmupCosineLR(**kwargs)
+    assert err.value.key == f"callbacks.warmup_cosine_lr.{key}"
+    assert err.value.value == kwargs[key]
+    assert "is invalid: use" in str(err.value)
 
 
 def test_refuses_warmup_longer_than_the_run():

@@ -31,9 +31,22 @@ def test_no_warmup_starts_at_peak():
         (-1, 10, 0.0, "scheduler.warmup_steps"),
         (1, 0, 0.0, "scheduler.total_steps"),
         (1, 10, 1.5, "scheduler.min_lr_ratio"),
+        (1, 10, "a", "scheduler.min_lr_ratio"),
+        (1, 10, float("nan"), "scheduler.min_lr_ratio"),
+        (True, 10, 0.0, "scheduler.warmup_steps"),
+        (2.0, 10, 0.0, "scheduler.warmup_steps"),
+        (1, 10.0, 0.0, "scheduler.total_steps"),
+        (1, None, "a", "scheduler.min_lr_ratio"),
     ],
 )
 def test_bad_schedules_are_refused(warmup, total, ratio, key):
     with pytest.raises(ConfigError) as err:
         check_warmup_cosine(warmup, total, ratio)
     assert err.value.key == key
+
+
+def test_total_steps_may_be_unknown_yet():
+    # The callback checks warmup and ratio in __init__ and the total once the Trainer knows it.
+    assert check_warmup_cosine(100, None, 0.1) is None
+    with pytest.raises(ConfigError, match="warmup must be shorter than the 100 optimizer steps"):
+        check_warmup_cosine(100, 100, 0.1)
