@@ -244,7 +244,13 @@ class LadderReport(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        rows = collect_ladder(sweep_dir)
-        paths = write_ladder_report(rows, sweep_dir)
+        try:
+            rows = collect_ladder(sweep_dir)
+            paths = write_ladder_report(rows, sweep_dir)
+        except Exception as err:
+            # Hydra turns a callback's exception into a warning and exits 0; a ladder without its report is a
+            # failed run. SystemExit is not an Exception, so it passes Hydra's handler and sets the exit status.
+            log.exception("the ladder report could not be written")
+            raise SystemExit(f"error: ladder report not written ({type(err).__name__}: {err})") from err
         print(paths["md"].read_text())
         print(f"ladder report: {paths['md']}, {paths['csv']}, {paths['png']}")

@@ -178,8 +178,10 @@ def check_compatible(
     """
     from lightning_trainopt.app.preflight import RULES, PreflightInput
 
-    callback_nodes = _plain(callbacks) or {}
-    targets = tuple(str(v.get("_target_", "")) for v in callback_nodes.values() if isinstance(v, dict))
+    # Only the callbacks' _target_ strings matter; resolving whole nodes would fail outside a Hydra run on
+    # interpolations such as ${hydra:runtime.output_dir} (the notebook, the ladder's report callback).
+    nodes = callbacks.values() if isinstance(callbacks, (DictConfig, dict)) else ()
+    targets = tuple(str(v.get("_target_", "")) for v in nodes if isinstance(v, (DictConfig, dict)))
     p = PreflightInput(
         strategy=_plain(strategy) or None,
         precision=trainer_precision,

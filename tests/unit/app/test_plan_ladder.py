@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from lightning_trainopt.app.ladder import LadderReport, collect_ladder, write_ladder_report
@@ -64,3 +65,18 @@ def test_callback_writes_into_the_sweep_dir(tmp_path):
     LadderReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
     assert (sweep / "ladder.md").is_file()
     assert (sweep / "ladder.png").is_file()
+
+
+def test_a_report_that_cannot_be_written_fails_the_sweep(tmp_path, monkeypatch):
+    # Hydra turns an Exception from a callback into a warning and exits 0; the ladder must not pass without its report.
+    from lightning_trainopt.app import ladder
+
+    sweep = tmp_path / "sweep"
+    _job(sweep, 0, "bf16", {"status": "ok"}, tmp_path)
+
+    def broken(rows, sweep_dir):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(ladder, "write_ladder_report", broken)
+    with pytest.raises(SystemExit, match="ladder report not written .RuntimeError: disk full"):
+        LadderReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
