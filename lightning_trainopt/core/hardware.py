@@ -171,7 +171,11 @@ HARDWARE: dict[str, HardwareSpec] = {
         None,
         {},
         None,
-        {"peak": "unknown: set +hardware.peak_tflops.<dtype>=<TFLOP/s> for MFU on CPU", "memory": "unknown", "price": _USER_SET},
+        {
+            "peak": "unknown: set +hardware.peak_tflops.<dtype>=<TFLOP/s> for MFU on CPU",
+            "memory": "unknown",
+            "price": _USER_SET,
+        },
     ),
 }
 

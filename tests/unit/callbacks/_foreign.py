@@ -107,3 +107,32 @@ def object_batches(n: int, batch_size: int = 4, seq_len: int = 6) -> list[Batch]
         )
         for _ in range(n)
     ]
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization stepping two optimizers on every batch, so ``global_step`` advances by 2 a batch.
+
+    Records each batch's learning rates of both optimizers in ``lrs``. Batches are ``(x,)`` with ``x`` of shape
+    ``(B, width)`` (e.g. a ``TensorDataset`` of one tensor).
+    """
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.body = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+        self.lrs: list[tuple[float, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (x,) = batch
+        body, head = self.optimizers()
+        self.lrs.append((body.param_groups[0]["lr"], head.param_groups[0]["lr"]))
+        loss = self.head(torch.relu(self.body(x))).pow(2).mean()
+        body.zero_grad()
+        head.zero_grad()
+        self.manual_backward(loss)
+        body.step()
+        head.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.AdamW(self.head.parameters(), lr=1e-3)]

@@ -72,5 +72,6 @@ def test_resources_are_released_when_fit_raises(monkeypatch, tmp_path):
     assert not _STATE.counters
     assert "batch_to_device" not in vars(trainer.strategy)  # StepTimer's timing wrapper removed
     assert timer._patched is None
-    assert ckpt.plan is not None and ckpt.plan.wrapped
+    assert ckpt.plan is not None
+    assert ckpt.plan.wrapped
     assert not any(is_checkpointed(m) for m in module.modules())

@@ -1,4 +1,3 @@
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -8,6 +7,7 @@ from lightning_trainopt.core.saved_tensors import measure_saved_tensors
 from lightning_trainopt.exceptions import ConfigError
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
+from tests.unit.callbacks._foreign import TwoOptimizers
 
 
 def _expected_activations(module, batch_size=4, seq_len=16):
@@ -61,29 +61,6 @@ def test_allocator_peak_on_gpu():
     known = row["params"] + row["grads"] + row["optimizer_states"] + row["activations"]
     assert row["other"] == row["peak_memory_bytes"] - known
     assert row["activations"] > 0
-
-
-class TwoOptimizers(pl.LightningModule):
-    """Manual optimization stepping two optimizers per batch: global_step goes 0, 2, 4, ... (audit t5)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.body = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Linear(8, 1)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        body, head = self.optimizers()
-        loss = self.head(torch.relu(self.body(x))).pow(2).mean()
-        body.zero_grad()
-        head.zero_grad()
-        self.manual_backward(loss)
-        body.step()
-        head.step()
-
-    def configure_optimizers(self):
-        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.AdamW(self.head.parameters(), lr=1e-3)]
 
 
 def _loader() -> DataLoader:

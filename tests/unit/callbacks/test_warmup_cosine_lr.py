@@ -10,6 +10,7 @@ from lightning_trainopt.core.schedules import warmup_cosine_factor
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.models.lit_gpt import warmup_cosine
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
+from tests.unit.callbacks._foreign import TwoOptimizers
 
 
 def _loader(n: int = 64) -> DataLoader:
@@ -78,36 +79,11 @@ def test_each_fit_starts_from_its_own_optimizer_lr():
     assert [r[0] for r in second.lrs] == pytest.approx([1e-2 * f for f in expected], rel=1e-12)
 
 
-class TwoOptimizers(pl.LightningModule):
-    """Audit t19: manual optimization, two optimizers stepped on every batch (global_step advances by 2 a batch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.body = torch.nn.Linear(4, 4)
-        self.head = torch.nn.Linear(4, 1)
-        self.lrs: list[tuple[float, float]] = []
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        body, head = self.optimizers()
-        self.lrs.append((body.param_groups[0]["lr"], head.param_groups[0]["lr"]))
-        loss = self.head(self.body(x)).pow(2).mean()
-        body.zero_grad()
-        head.zero_grad()
-        self.manual_backward(loss)
-        body.step()
-        head.step()
-
-    def configure_optimizers(self):
-        return [torch.optim.SGD(self.body.parameters(), lr=0.1), torch.optim.AdamW(self.head.parameters(), lr=1e-3)]
-
-
 def test_manual_optimization_with_two_optimizers_steps_once_per_batch():
     # An epoch of 16 batches: the schedule spans the 16 batches (before: total 16 read against a global_step that
     # reached 32, so the second half of the epoch ran at lr 0).
     cb = WarmupCosineLR(warmup_steps=2)
-    module = TwoOptimizers()
+    module = TwoOptimizers(width=4)
     trainer = tiny_trainer([cb], max_steps=-1, max_epochs=1)
     trainer.fit(module, _loader())
     assert trainer.global_step == 32
@@ -120,13 +96,13 @@ def test_manual_optimization_with_two_optimizers_steps_once_per_batch():
 
 
 def test_manual_optimization_resume_continues_the_curve(tmp_path):
-    full = TwoOptimizers()
+    full = TwoOptimizers(width=4)
     tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=8)], max_steps=16).fit(full, _loader())
     half = tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=8)], max_steps=8)
-    half.fit(TwoOptimizers(), _loader())
+    half.fit(TwoOptimizers(width=4), _loader())
     ckpt = str(tmp_path / "half.ckpt")
     half.save_checkpoint(ckpt)
-    resumed = TwoOptimizers()
+    resumed = TwoOptimizers(width=4)
     tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=8)], max_steps=16).fit(resumed, _loader(), ckpt_path=ckpt)
     assert len(full.lrs) == 8
     assert resumed.lrs == full.lrs[4:]
@@ -136,10 +112,10 @@ def test_manual_optimization_with_two_optimizers_and_max_steps_needs_total_steps
     # max_steps counts every optimizer.step(): 12 is 6 batches here, 12 with one optimizer; refused, not guessed.
     trainer = tiny_trainer([WarmupCosineLR(warmup_steps=2)], max_steps=12)
     with pytest.raises(ConfigError, match=r"trainer.max_steps=12 counts every optimizer.step\(\)") as err:
-        trainer.fit(TwoOptimizers(), _loader())
+        trainer.fit(TwoOptimizers(width=4), _loader())
     assert err.value.key == "callbacks.warmup_cosine_lr.total_steps"
     assert "e.g. 6 if every batch steps all 2 optimizers" in str(err.value)
-    module = TwoOptimizers()
+    module = TwoOptimizers(width=4)
     tiny_trainer([WarmupCosineLR(warmup_steps=2, total_steps=6)], max_steps=12).fit(module, _loader())
     assert [lr for lr, _ in module.lrs] == pytest.approx([0.1 * warmup_cosine_factor(k, 2, 6) for k in range(6)])
 
