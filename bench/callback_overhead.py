@@ -11,11 +11,11 @@ thread of this process, the monitors' background threads included). On a shared 
 time by tens of percent while the CPU work of a single-threaded run (``--threads 1``) barely moves, so the CPU-time
 ratio resolves a 1% difference where the wall-time ratio cannot.
 
-On a VM most of the noise is between runs (identical runs settle at speeds +-15% apart); pinning the process to
-one core (``taskset -c 1``) cut that to about +-5% on the development VM.
+On the development VM most of the noise is between runs: identical runs settle at speeds up to +-13% apart, pinned
+to one core (``taskset -c 1``) or not, so many rounds are needed for a narrow interval (bench/RESULTS.md).
 
     python bench/callback_overhead.py                           # CPU, gpt_tiny-like model
-    taskset -c 1 python bench/callback_overhead.py --threads 1 --rounds 16   # CPU, tightest interval
+    taskset -c 1 python bench/callback_overhead.py --threads 1 --rounds 16   # CPU, as recorded in RESULTS.md
     python bench/callback_overhead.py --device cuda --model 125m --steps 60 --rounds 5
 """
 
