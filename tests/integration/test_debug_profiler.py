@@ -6,21 +6,12 @@ import json
 import subprocess
 import sys
 
-from tests.helpers.compose import REPO_ROOT, compose_config
+from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 
 # Only the model and the data are made small: trainer.max_steps and the scheduler's warmup stay the preset's and the
 # defaults' (audit: the preset's 10 steps against the default 10-step warmup made every run refuse to start).
-SMALL = (
-    "model.n_layers=2",
-    "model.d_model=64",
-    "model.n_heads=2",
-    "model.ffn_hidden=128",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "data.max_bytes=300000",
-    "trainer.limit_val_batches=2",
-    "trainer.enable_progress_bar=false",
-)
+_KEPT = ("trainer.max_steps", "scheduler.warmup_steps", "trainer.val_check_interval", "logger")
+SMALL = (*(o for o in TINY if not o.startswith(_KEPT)), "data.max_bytes=300000")
 
 
 def test_preset_fits_the_default_scheduler(tmp_path):
