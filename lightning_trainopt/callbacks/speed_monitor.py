@@ -82,8 +82,10 @@ class SpeedMonitor(Callback):
     ``B * (c + a*T + b*T^2)`` (:func:`~lightning_trainopt.core.flops.fit_seq_flops`), so later lengths cost nothing.
     If that fails (e.g. a forward that reads tensor values) FLOPs are unknown: MFU, HFU and TFLOP/s are left out with
     one warning, tokens/s and samples/s are still reported. MFU counts model FLOPs (3x forward); HFU adds the
-    recomputed forward of checkpointed blocks. Windows close every ``log_every_n_steps`` optimizer steps, at
-    ``max_steps`` and at the end of fit, so short runs are measured too.
+    recomputed forward of checkpointed blocks: the share of blocks wrapped for our model, the recomputed FLOPs
+    measured by the flop counter (however the module checkpoints, also by itself) for any other, and the
+    ``ActivationCheckpointing`` callback's estimate with ``flops_per_batch_fn``. Windows close every
+    ``log_every_n_steps`` optimizer steps, at ``max_steps`` and at the end of fit, so short runs are measured too.
 
     Args:
         log_every_n_steps: window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
@@ -92,7 +94,7 @@ class SpeedMonitor(Callback):
         samples_fn: ``batch -> int`` samples of a micro-batch (default: inferred from shapes).
         tokens_fn: ``batch -> int | Tensor`` tokens of a micro-batch (default: shapes, or an attention mask's sum).
         flops_per_batch_fn: ``batch -> int`` model FLOPs (forward + backward) of a micro-batch.
-        recompute_fraction: share of the forward recomputed in backward, for HFU (default: detected).
+        recompute_fraction: share of the forward recomputed in backward, for HFU (default: detected or measured).
         warmup_steps: optimizer steps left out of the end-of-fit figures.
         clock: seconds since an arbitrary origin (tests inject a fake).
 
@@ -162,7 +164,8 @@ class SpeedMonitor(Callback):
         self._flops_source = "none"
         self._flops_note: str | None = None
         self._fit: SeqFlops | None = None
-        self._fit_cache: dict[tuple[int, int | None], int] = {}  # evaluating the fit's fractions costs ~0.1 ms
+        # (model, hardware) FLOPs per (samples, seq_len): evaluating the fit's fractions costs ~0.1 ms.
+        self._fit_cache: dict[tuple[int, int | None], tuple[int, int]] = {}
 
     def _reset_window(self) -> None:
         self._w_batches = 0
@@ -232,6 +235,16 @@ class SpeedMonitor(Callback):
             self._flops_unknown(f"{type(pl_module).__name__}'s forward could not be counted on a meta copy ({err})")
             return
         self._flops_source = COUNTER
+        if self.recompute_fraction is not None:
+            return
+        if self._fit.recompute_share is not None:
+            # Measured while counting: whatever checkpoints the module (our callback, checkpoint_wrapper, HF's
+            # gradient_checkpointing_enable(), its own checkpoint calls), its recomputed forward was counted.
+            self._recompute = float(self._fit.recompute_share)
+        else:
+            # This torch counts recomputation without telling it apart: it is already inside the counted FLOPs.
+            self._recompute = 0.0
+            self._flops_note = "this torch cannot tell recomputed FLOPs apart: MFU counts them, HFU equals MFU"
 
     def _batch_flops(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, shape: BatchSize | None
@@ -260,9 +273,10 @@ class SpeedMonitor(Callback):
             return None
         key = (shape.samples, shape.seq_len)
         if key not in self._fit_cache:
-            self._fit_cache[key] = self._fit(*key)
-        f = self._fit_cache[key]
-        return f, self._with_recompute(f)
+            model = self._fit(*key)
+            given = self.recompute_fraction is not None
+            self._fit_cache[key] = (model, self._with_recompute(model) if given else self._fit.hardware(*key))
+        return self._fit_cache[key]
 
     @override
     def on_train_batch_start(

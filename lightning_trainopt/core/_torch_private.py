@@ -1,8 +1,8 @@
 """The one place that touches private torch APIs, each behind a version/availability guard.
 
 Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``,
-``torch.cuda._get_nvml_device_index`` or read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data``; when torch changes
-them, only this file changes.
+``torch.cuda._get_nvml_device_index``, read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data`` or override
+``FlopCounterMode._count_flops``; when torch changes them, only this file changes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "RecomputeFlopCounter",
     "ddp_comm_hook_name",
     "ddp_comm_hook_state",
     "dump_memory_snapshot",
@@ -80,3 +81,78 @@ def ddp_comm_hook_state(ddp: Any) -> Any | None:
     """The state object of the Python communication hook registered on a DDP module (None if there is none)."""
     hooks = getattr(ddp, "_comm_hooks", None)
     return hooks[0][1] if hooks else None
+
+
+def _count_flops_overridable() -> bool:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return callable(getattr(FlopCounterMode, "_count_flops", None))
+
+
+class RecomputeFlopCounter:
+    """``torch.utils.flop_counter.FlopCounterMode`` that also counts the FLOPs activation checkpointing recomputes.
+
+    Backward formulas run with grad mode off; a checkpointed region's forward, replayed during backward (reentrant
+    or not, ours, torch's ``checkpoint_wrapper`` or a model's own ``torch.utils.checkpoint`` calls), runs with it on.
+    So an operation counted after :meth:`start_backward` with grad enabled is recomputation. Overrides the private
+    ``FlopCounterMode._count_flops`` (torch >= 2.4); where that is missing, :attr:`recomputed` stays ``None``.
+
+    Example::
+
+        counter = RecomputeFlopCounter()
+        with counter:
+            loss = model(x).sum()
+            counter.start_backward()
+            loss.backward()
+        counter.total, counter.forward, counter.recomputed
+    """
+
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        supported = _count_flops_overridable()
+        owner = self
+
+        class _Mode(FlopCounterMode):
+            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+                before = self.get_total_flops() if owner._in_backward else 0
+                result = super()._count_flops(func_packet, out, args, kwargs)  # type: ignore[misc]
+                if owner._in_backward and torch.is_grad_enabled():
+                    owner._recomputed += self.get_total_flops() - before
+                return result
+
+        self._mode = (_Mode if supported else FlopCounterMode)(display=False)
+        self._supported = supported
+        self._in_backward = False
+        self._forward = 0
+        self._recomputed = 0
+
+    def __enter__(self) -> RecomputeFlopCounter:
+        self._in_backward, self._forward, self._recomputed = False, 0, 0
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        if not self._in_backward:
+            self._forward = self.total
+        return self._mode.__exit__(*exc)
+
+    def start_backward(self) -> None:
+        """Mark the end of the forward pass: what is counted from here on is backward (and recomputation)."""
+        self._forward = self.total
+        self._in_backward = True
+
+    @property
+    def total(self) -> int:
+        """Every FLOP counted: forward, backward and recomputation (hardware FLOPs)."""
+        return int(self._mode.get_total_flops())
+
+    @property
+    def forward(self) -> int:
+        """FLOPs of the forward pass (before :meth:`start_backward`; all of them if it was never called)."""
+        return self._forward
+
+    @property
+    def recomputed(self) -> int | None:
+        """FLOPs recomputed by activation checkpointing during backward; ``None`` where torch cannot tell."""
+        return self._recomputed if self._supported else None

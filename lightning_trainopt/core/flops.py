@@ -24,6 +24,7 @@ from lightning_trainopt.models.config import GPTConfig
 __all__ = [
     "LABEL_KEYS",
     "CallConvention",
+    "FlopCount",
     "SeqFlops",
     "TransformerFlops",
     "call_conventions",
@@ -191,26 +192,48 @@ def call_conventions(module: nn.Module, batch: Any) -> list[CallConvention]:
     return [whole]
 
 
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs of one counted call.
+
+    Args:
+        total: everything executed: forward, backward and the forward that activation checkpointing recomputes.
+        forward: the forward pass alone.
+        recomputed: recomputed forward FLOPs inside ``total``; ``None`` when this torch cannot tell them apart.
+    """
+
+    total: int
+    forward: int
+    recomputed: int | None
+
+    @property
+    def model(self) -> int:
+        """Model FLOPs: ``total`` without recomputation (what MFU counts)."""
+        return self.total - (self.recomputed or 0)
+
+
 def _count(
     model: nn.Module,
     convention: CallConvention,
     inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     backward: bool = True,
-) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
+) -> FlopCount:
+    from lightning_trainopt.core._torch_private import RecomputeFlopCounter
 
-    counter = FlopCounterMode(display=False)
+    counter = RecomputeFlopCounter()
     args, kwargs = convention.split(inputs)
     try:
         with torch.enable_grad(), counter:
             out = model(*args, **kwargs)
             if backward:
-                (loss_fn or _default_loss)(out).backward()
+                loss = (loss_fn or _default_loss)(out)
+                counter.start_backward()
+                loss.backward()
     finally:
         for p in model.parameters():
             p.grad = None
-    return int(counter.get_total_flops())
+    return FlopCount(counter.total, counter.forward, counter.recomputed)
 
 
 def count_flops(
@@ -221,6 +244,9 @@ def count_flops(
     share: tuple[Any, ...] = (),
 ) -> int:
     """FLOPs of ``module(example_input)`` (and its backward) counted by ``torch.utils.flop_counter`` on a meta copy.
+
+    All executed FLOPs, including the forward that activation checkpointing recomputes in backward (see
+    :class:`FlopCount` for the split).
 
     Args:
         module: any module; it is copied to the meta device, so this costs no memory or compute.
@@ -235,13 +261,22 @@ def count_flops(
         convention = CallConvention("forward(*input)", lambda b: (tuple(b), {}))
     else:
         convention = CallConvention("forward(input)", lambda b: ((b,), {}))
-    return _count(meta_copy(module, share), convention, _to_meta(example_input), loss_fn, backward)
+    return _count(meta_copy(module, share), convention, _to_meta(example_input), loss_fn, backward).total
+
+
+_ZERO3 = (Fraction(0), Fraction(0), Fraction(0))
+
+
+def _poly(coeffs: tuple[Fraction, Fraction, Fraction], samples: int, seq_len: int | None) -> int:
+    c, a, b = coeffs
+    t = seq_len or 0
+    return round(samples * (c + a * t + b * t * t))
 
 
 @dataclass(frozen=True)
 class SeqFlops:
     """Training FLOPs (forward + backward) of a micro-batch of ``B`` sequences of ``T`` tokens:
-    ``B * (c + a*T + b*T^2)``.
+    ``B * (c + a*T + b*T^2)``, and the forward FLOPs activation checkpointing recomputes, as a second polynomial.
 
     Exact for transformers: linear layers cost ``a`` per token, attention scores and values ``b*T`` per token, and
     layers after pooling (a classifier head) ``c`` per sequence. Fitted by :func:`fit_seq_flops`.
@@ -253,6 +288,9 @@ class SeqFlops:
         lengths: the lengths counted: the batch's own, two more for the fit and the last as a check; empty when the
             batch has no sequence dimension (then FLOPs are ``B * c``).
         call: how ``forward`` was called, e.g. ``forward(input_ids=, attention_mask=)``.
+        recomputed: ``(c, a, b)`` of the recomputed forward FLOPs (zeros without checkpointing).
+        recompute_share: recomputed / forward FLOPs at the batch's own length, 0..1 (the HFU share);
+            ``None`` when this torch cannot tell recomputation apart (then ``recomputed`` is zeros).
     """
 
     per_sequence: Fraction
@@ -260,14 +298,20 @@ class SeqFlops:
     per_token_squared: Fraction
     lengths: tuple[int, ...]
     call: str
+    recomputed: tuple[Fraction, Fraction, Fraction] = _ZERO3
+    recompute_share: Fraction | None = Fraction(0)
 
     def applies_to(self, seq_len: int | None) -> bool:
         """Whether batches with this ``seq_len`` (``None``: no sequence dimension) have the fitted structure."""
         return (seq_len is not None) == bool(self.lengths)
 
     def __call__(self, samples: int, seq_len: int | None) -> int:
-        t = seq_len or 0
-        return round(samples * (self.per_sequence + self.per_token * t + self.per_token_squared * t * t))
+        """Model FLOPs (forward + backward, no recomputation) of ``samples`` sequences of ``seq_len`` tokens."""
+        return _poly((self.per_sequence, self.per_token, self.per_token_squared), samples, seq_len)
+
+    def hardware(self, samples: int, seq_len: int | None) -> int:
+        """Executed FLOPs: model FLOPs plus the forward recomputed by activation checkpointing."""
+        return self(samples, seq_len) + _poly(self.recomputed, samples, seq_len)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe view for metrics.json."""
@@ -275,6 +319,8 @@ class SeqFlops:
             "per_sequence": float(self.per_sequence),
             "per_token": float(self.per_token),
             "per_token_squared": float(self.per_token_squared),
+            "recomputed": [float(x) for x in self.recomputed],
+            "recompute_share": None if self.recompute_share is None else float(self.recompute_share),
             "lengths": list(self.lengths),
             "call": self.call,
         }
@@ -315,6 +361,10 @@ def fit_seq_flops(
 ) -> SeqFlops:
     """Count the training FLOPs of ``module`` on ``batch`` once and fit ``B * (c + a*T + b*T^2)``.
 
+    Model FLOPs and the forward FLOPs that activation checkpointing recomputes (however the module checkpoints:
+    our wrapper, torch's ``checkpoint_wrapper``, Hugging Face's ``gradient_checkpointing_enable()`` or its own
+    ``torch.utils.checkpoint`` calls) are told apart while counting and fitted separately (see :class:`SeqFlops`).
+
     One meta-device copy of ``module`` runs forward + backward under ``torch.utils.flop_counter`` at the batch's own
     length and at three others (the batch's tensors resized along their sequence dimensions): three counts fix
     ``c, a, b`` exactly, the fourth must agree within ``tolerance``. The call convention is the first of
@@ -335,7 +385,7 @@ def fit_seq_flops(
     """
     model = meta_copy(module, share)
     errors: list[str] = []
-    base: int | None = None
+    base: FlopCount | None = None
     for convention in call_conventions(module, batch):
         try:
             base = _count(model, convention, _to_meta(batch), loss_fn)
@@ -345,10 +395,19 @@ def fit_seq_flops(
         break
     if base is None:
         raise RuntimeError("; ".join(errors))
+    recompute_share = None if base.recomputed is None else Fraction(base.recomputed, base.forward or 1)
     if seq_len is None:
-        return SeqFlops(Fraction(base, samples), Fraction(0), Fraction(0), (), convention.describe)
+        return SeqFlops(
+            Fraction(base.model, samples),
+            Fraction(0),
+            Fraction(0),
+            (),
+            convention.describe,
+            (Fraction(base.recomputed or 0, samples), Fraction(0), Fraction(0)),
+            recompute_share,
+        )
     lengths = _fit_lengths(seq_len)
-    counts: list[int] | None = None
+    counts: list[FlopCount] | None = None
     for only_dim1 in (False, True):
         try:
             counts = [
@@ -360,13 +419,24 @@ def fit_seq_flops(
         break
     if counts is None:
         raise RuntimeError(f"{convention.describe} runs at T={seq_len} only: " + "; ".join(errors))
-    points = [(seq_len, Fraction(base, samples))] + [(n, Fraction(f, samples)) for n, f in zip(lengths, counts)]
-    fit = SeqFlops(*_quadratic(points[:3]), tuple(t for t, _ in points), convention.describe)
+    counted = [(seq_len, base), *zip(lengths, counts)]
+    model_points = [(t, Fraction(c.model, samples)) for t, c in counted]
+    recompute_points = [(t, Fraction(c.recomputed or 0, samples)) for t, c in counted]
+    fit = SeqFlops(
+        *_quadratic(model_points[:3]),
+        tuple(t for t, _ in counted),
+        convention.describe,
+        _quadratic(recompute_points[:3]),
+        recompute_share,
+    )
     check_len, check = lengths[-1], counts[-1]
-    predicted = fit(samples, check_len)
-    if abs(predicted - check) > tolerance * abs(check):
-        raise RuntimeError(
-            f"the FLOPs of {convention.describe} do not follow B*(c + a*T + b*T^2): counted {check} at T={check_len}, "
-            f"the fit through T={list(fit.lengths[:3])} predicts {predicted}"
-        )
+    for what, predicted, actual in (
+        ("", fit(samples, check_len), check.model),
+        ("recomputed ", fit.hardware(samples, check_len) - fit(samples, check_len), check.recomputed or 0),
+    ):
+        if abs(predicted - actual) > tolerance * abs(actual):
+            raise RuntimeError(
+                f"the {what}FLOPs of {convention.describe} do not follow B*(c + a*T + b*T^2): counted {actual} at "
+                f"T={check_len}, the fit through T={list(fit.lengths[:3])} predicts {predicted}"
+            )
     return fit

@@ -228,7 +228,8 @@ def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) ->
     A model that checkpoints itself (:func:`self_checkpointing_modules`) is left alone: wrapping its blocks again
     saves nothing more and adds a second recompute pass. The plan then lists those modules in
     ``self_checkpointed``, wraps nothing, and counts the policy's blocks as recomputed (the model's own
-    checkpointing recomputes its layers; Hugging Face checkpoints exactly its decoder layers), so HFU stays right.
+    checkpointing recomputes its layers; Hugging Face checkpoints exactly its decoder layers). That share is an
+    estimate; ``SpeedMonitor``'s flop counter measures the recomputation itself.
 
     Raises:
         ConfigError: the policy matches nothing, names something that matches nothing, or asks for ``every_k > 1``

@@ -136,19 +136,99 @@ def test_hfu_counts_the_blocks_our_activation_checkpointing_recomputes():
     assert logger.values("throughput/hfu") == [f.hardware_train(0.5) / 2 / 1e6] * 2
 
 
-def test_hfu_of_a_foreign_module_takes_the_checkpointing_callbacks_flop_share():
-    # A foreign encoder: the callback wraps 1 of 2 layers; the head and embedding stay outside, so the recomputed
-    # share of forward matmul FLOPs is below 1/2, and counting wrapped modules (which gives 1.0 without n_blocks)
-    # would overstate HFU.
-    from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
-    from tests.unit.callbacks._foreign import DictClassifier, loader, padded_batches
+def _inputs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"}
 
+
+def test_a_foreign_modules_recompute_is_measured_not_counted_as_model_flops():
+    # A foreign encoder: the callback wraps 1 of 2 layers. The flop counter sees the wrapped module, so the
+    # recomputed forward is counted while counting; it must go to HFU only, and MFU must stay the unwrapped
+    # module's FLOPs (counting it into both would overstate MFU and count the recompute twice in HFU).
+    from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+
+    batches = padded_batches(2)
+    clock = StepClock(dt=1.0)
     ckpt = ActivationCheckpointing(module_classes=["TransformerEncoderLayer"], every_k=2)
-    monitor = SpeedMonitor(log_every_n_steps=1, peak_tflops=1e-6, warmup_steps=0)
-    tiny_trainer([ckpt, monitor], max_steps=2).fit(DictClassifier(), loader(padded_batches(2)))
+    monitor = SpeedMonitor(log_every_n_steps=1, peak_tflops=1e-6, warmup_steps=0, clock=clock)
+    logger = ListLogger()
+    tiny_trainer([ckpt, clock, monitor], max_steps=2, logger=logger).fit(DictClassifier(), loader(batches))
+
+    plain = [count_flops(DictClassifier(), _inputs(b)) for b in batches]
+    wrapped = DictClassifier()
+    apply_activation_checkpointing(wrapped, CheckpointPolicy(module_classes=("TransformerEncoderLayer",), every_k=2))
+    executed = [count_flops(wrapped, _inputs(b)) for b in batches]
+    assert all(e > p for e, p in zip(executed, plain))
+    assert logger.values("throughput/tflops_per_s") == pytest.approx([f / 1e12 for f in plain], rel=1e-9)
+    assert logger.values("throughput/mfu") == pytest.approx([f / 1e6 for f in plain], rel=1e-9)
+    assert logger.values("throughput/hfu") == pytest.approx([f / 1e6 for f in executed], rel=1e-9)
     share = monitor.summary()["throughput"]["recompute_fraction"]
-    assert share == ckpt.recomputed_fraction
+    # Measured: one layer of two, the embedding lookup and the head outside; close to the callback's own
+    # weight-share estimate, which leaves out the attention score products.
     assert 0.3 < share < 0.5
+    assert share == pytest.approx(ckpt.recomputed_fraction, abs=0.05)
+
+
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_a_module_that_checkpoints_itself_gets_its_measured_recompute(with_callback):
+    # gradient_checkpointing_enable() style: no wrapper to find. Our ActivationCheckpointing (if present) wraps
+    # nothing; the recompute is still measured from what the module executes.
+    from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
+    from lightning_trainopt.core.flops import fit_seq_flops
+    from tests.unit.callbacks._foreign import SelfCheckpointingClassifier
+
+    batches = padded_batches(2)
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(log_every_n_steps=1, peak_tflops=1e-6, warmup_steps=0, clock=clock)
+    extra = [ActivationCheckpointing(module_classes=["TransformerEncoderLayer"])] if with_callback else []
+    logger = ListLogger()
+    model = SelfCheckpointingClassifier()
+    if with_callback:
+        with pytest.warns(UserWarning, match="already checkpoint themselves"):
+            tiny_trainer([*extra, clock, monitor], max_steps=2, logger=logger).fit(model, loader(batches))
+    else:
+        tiny_trainer([clock, monitor], max_steps=2, logger=logger).fit(model, loader(batches))
+
+    plain = [count_flops(DictClassifier(), _inputs(b)) for b in batches]
+    executed = [count_flops(SelfCheckpointingClassifier(), _inputs(b)) for b in batches]
+    assert logger.values("throughput/mfu") == pytest.approx([f / 1e6 for f in plain], rel=1e-9)
+    assert logger.values("throughput/hfu") == pytest.approx([f / 1e6 for f in executed], rel=1e-9)
+    b = batches[0]
+    fit = fit_seq_flops(SelfCheckpointingClassifier(), b, samples=4, seq_len=b["input_ids"].shape[1])
+    assert monitor.summary()["throughput"]["recompute_fraction"] == pytest.approx(float(fit.recompute_share))
+    assert 0.5 < fit.recompute_share < 1  # both layers recomputed; embedding and head are not
+
+
+def test_a_torch_that_cannot_tell_recompute_apart_does_not_count_it_twice(monkeypatch):
+    import lightning_trainopt.core._torch_private as private
+    from tests.unit.callbacks._foreign import SelfCheckpointingClassifier
+
+    monkeypatch.setattr(private, "_count_flops_overridable", lambda: False)
+    batches = padded_batches(2)
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(log_every_n_steps=1, peak_tflops=1e-6, warmup_steps=0, clock=clock)
+    logger = ListLogger()
+    tiny_trainer([clock, monitor], max_steps=2, logger=logger).fit(SelfCheckpointingClassifier(), loader(batches))
+    executed = [count_flops(SelfCheckpointingClassifier(), _inputs(b)) for b in batches]
+    assert logger.values("throughput/mfu") == pytest.approx([f / 1e6 for f in executed], rel=1e-9)
+    assert logger.values("throughput/hfu") == logger.values("throughput/mfu")
+    s = monitor.summary()["throughput"]
+    assert (s["recompute_fraction"], s["flops_note"]) == (
+        0.0,
+        "this torch cannot tell recomputed FLOPs apart: MFU counts them, HFU equals MFU",
+    )
+
+
+def test_a_given_recompute_fraction_overrides_the_measured_one():
+    batches = padded_batches(2)
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(log_every_n_steps=1, peak_tflops=1e-6, warmup_steps=0, clock=clock, recompute_fraction=0)
+    logger = ListLogger()
+    from tests.unit.callbacks._foreign import SelfCheckpointingClassifier
+
+    tiny_trainer([clock, monitor], max_steps=2, logger=logger).fit(SelfCheckpointingClassifier(), loader(batches))
+    assert logger.values("throughput/hfu") == logger.values("throughput/mfu")
+    assert monitor.summary()["throughput"]["recompute_fraction"] == 0
 
 
 @pytest.mark.parametrize(

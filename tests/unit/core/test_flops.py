@@ -110,9 +110,59 @@ def test_fit_by_hand_on_a_linear_model():
         "per_sequence": 0.0,
         "per_token": 128.0,
         "per_token_squared": 0.0,
+        "recomputed": [0.0, 0.0, 0.0],
+        "recompute_share": 0.0,
         "lengths": [10, 5, 3, 8],
         "call": "forward(batch)",
     }
+    assert fit.hardware(5, 7) == fit(5, 7)  # nothing checkpointed, nothing recomputed
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class _SelfCheckpointing(nn.Module):
+    """Three blocks; the ones in ``checkpointed`` call torch.utils.checkpoint themselves (no wrapper to detect)."""
+
+    def __init__(self, checkpointed=(), reentrant=False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 16, bias=False)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.checkpointed, self.reentrant = set(checkpointed), reentrant
+
+    def forward(self, x):
+        x = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            use = i in self.checkpointed and torch.is_grad_enabled()
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant) if use else block(x)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_forward_is_measured_apart_from_model_flops(reentrant):
+    # Per token: embed 2*4*16, each block 2*16*16 forward. Backward: the embed's weight gradient only (its input
+    # needs none), each block weight + input gradients. Checkpointing blocks 0 and 2 replays their forward once.
+    plain = fit_seq_flops(_SelfCheckpointing(), torch.zeros(2, 6, 4), samples=2, seq_len=6)
+    ckpt = fit_seq_flops(
+        _SelfCheckpointing(checkpointed=(0, 2), reentrant=reentrant), torch.zeros(2, 6, 4), samples=2, seq_len=6
+    )
+    forward, block = 2 * 4 * 16 + 3 * 2 * 16 * 16, 2 * 16 * 16
+    model = forward + 2 * 4 * 16 + 3 * 2 * (2 * 16 * 16)
+    assert (plain.per_token, ckpt.per_token) == (model, model)  # model FLOPs do not change with checkpointing
+    assert plain.recomputed == (0, 0, 0)
+    assert plain.recompute_share == 0
+    assert ckpt.recomputed == (0, 2 * block, 0)
+    assert ckpt.recompute_share == pytest.approx(2 * block / forward)
+    assert ckpt.hardware(3, 9) == 3 * 9 * (model + 2 * block)
+    assert ckpt(3, 9) == plain(3, 9) == 3 * 9 * model
+    # count_flops reports everything executed, recomputation included.
+    assert count_flops(_SelfCheckpointing(checkpointed=(0, 2)), torch.zeros(3, 9, 4)) == ckpt.hardware(3, 9)
 
 
 def test_fit_without_a_sequence_dimension_scales_with_samples():
