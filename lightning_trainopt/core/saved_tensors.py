@@ -299,6 +299,10 @@ class _Dispatch:
             self._sync()
 
     def _pack(self, tensor: torch.Tensor) -> tuple[SavedTensorsTransform | None, Any]:
+        if tensor.device.type == "meta":
+            # A meta-device pass (SpeedMonitor's FLOP count, a shape probe) saves no data: nothing to transform
+            # (copying it out would raise) and no bytes to count.
+            return None, tensor
         transform = self.transforms[0] if self.transforms else None
         stored = transform.pack(tensor) if transform is not None else tensor
         for counter in self.counters:

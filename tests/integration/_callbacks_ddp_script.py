@@ -1,8 +1,10 @@
 """Run exported callbacks on 2 CPU processes; each rank writes its summaries to OUT/rank{r}.json.
 
-Usage: python tests/integration/_callbacks_ddp_script.py OUT_DIR [NAME,NAME,...] [STRATEGY]
+Usage: python tests/integration/_callbacks_ddp_script.py OUT_DIR [NAME,NAME,...] [STRATEGY] [MODEL]
   NAME,...: callbacks to run (default: every export); STRATEGY: ``ddp`` (default) or a preset of conf/strategy
-  (``zero3``, ``fsdp``, ...), built by the app's builder with small buckets and every ZeRO-3 parameter partitioned.
+  (``zero3``, ``fsdp``, ...), built by the app's builder with small buckets and every ZeRO-3 parameter partitioned;
+  MODEL: ``ours`` (default: the tiny LitGPT on token tensors) or ``foreign`` (a module that is not ours: Hugging
+  Face style dict batches with padding and varying lengths, ``forward(**inputs)``, its own loss).
 """
 
 from __future__ import annotations
@@ -42,11 +44,17 @@ def _strategy(name: str) -> object:
     return build_strategy(node, spec, {"accumulate_grad_batches": 1, "gradient_clip_val": None}, micro_batch_size=4)
 
 
-def main(out: str, names: list[str], strategy: str = "ddp") -> None:
+def main(out: str, names: list[str], strategy: str = "ddp", model: str = "ours") -> None:
     warnings.simplefilter("ignore")
     callbacks = [getattr(cbs, name)(**KWARGS.get(name, {})) for name in names]
     trainer = tiny_trainer(callbacks, max_steps=4, devices=2, strategy=_strategy(strategy))
-    trainer.fit(tiny_module(), tiny_data())
+    if model == "foreign":
+        from tests.unit.callbacks._foreign import DictClassifier, loader, padded_batches
+
+        # 8 batches: Lightning's DistributedSampler gives each rank 4, one per optimizer step.
+        trainer.fit(DictClassifier(), loader(padded_batches(8)))
+    else:
+        trainer.fit(tiny_module(), tiny_data())
     summaries = {type(cb).__name__: cb.summary() for cb in callbacks}
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as fh:
         json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size, "summaries": summaries}, fh)
@@ -57,4 +65,5 @@ if __name__ == "__main__":
         sys.argv[1],
         sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(cbs.__all__),
         sys.argv[3] if len(sys.argv) > 3 else "ddp",
+        sys.argv[4] if len(sys.argv) > 4 else "ours",
     )

@@ -60,11 +60,11 @@ def test_ddp_groups_cover_every_export():
     assert set().union(*DDP_GROUPS) == set(cbs.__all__)
 
 
-def _run_ddp(tmp_path, names, strategy="ddp"):
+def _run_ddp(tmp_path, names, strategy="ddp", model="ours"):
     env = child_env(ROOT)
     script = os.path.join(ROOT, "tests", "integration", "_callbacks_ddp_script.py")
     proc = subprocess.run(
-        [sys.executable, script, str(tmp_path), ",".join(names), strategy],
+        [sys.executable, script, str(tmp_path), ",".join(names), strategy, model],
         env=env,
         cwd=str(tmp_path),
         capture_output=True,
@@ -106,6 +106,36 @@ def test_all_callbacks_under_ddp_on_two_cpu_processes(tmp_path):
     assert st["comm_measured"] is True  # DDP: StepTimer's comm hook times the exposed all-reduce
     assert s0["MemoryBreakdown"]["memory_breakdown"]["activations"] > 0
     assert s0["CostMonitor"]["cost"]["device_hours"] > 0
+
+
+@pytest.mark.slow
+def test_all_callbacks_on_a_foreign_module_under_ddp(tmp_path):
+    # What users do: our callbacks on their own LightningModule (dict batches padded to varying lengths, a pooled
+    # head, forward(**inputs) computing its own loss), under DDP. Every callback runs in one fit, checkpointing
+    # included, but offload (on CPU it switches off, covered above) and MicroBatchFinder, which needs a batch-size
+    # attribute to tune and refuses a module without one (its unit tests cover that error).
+    names = [n for n in DDP_GROUPS[0] if n != "MicroBatchFinder"]
+    ranks = _run_ddp(tmp_path, names, model="foreign")
+    for r in ranks:
+        s = r["summaries"]
+        tp = s["SpeedMonitor"]["throughput"]
+        assert tp["flops_source"] == "torch.utils.flop_counter on a meta copy"
+        assert tp["flops_fit"]["call"] == "forward(input_ids=, attention_mask=)"  # never the labels
+        assert tp["tflops_per_s"] > 0
+        assert tp["tokens_per_s_total"] == pytest.approx(2 * tp["tokens_per_s"])
+        ckpt = s["ActivationCheckpointing"]["activation_checkpointing"]
+        assert (ckpt["wrapped"], ckpt["candidates"]) == (2, 2)  # the encoder's two layers
+        # Both encoder layers recomputed, measured by the counter; embedding lookup and head are not.
+        assert 0.5 < tp["recompute_fraction"] < 1
+        assert s["MemoryBreakdown"]["memory_breakdown"]["activations"] > 0
+        assert s["CostMonitor"]["cost"]["device_hours"] > 0
+        assert s["StepTimer"]["step_time"]["comm_measured"] is True
+    # The fitted polynomials are a property of the module: the same on every rank, though each rank counted at the
+    # length of its own first batch.
+    fits = [r["summaries"]["SpeedMonitor"]["throughput"]["flops_fit"] for r in ranks]
+    keys = ("per_sequence", "per_token", "per_token_squared", "recomputed", "call")
+    assert fits[0]["lengths"] != fits[1]["lengths"]
+    assert [f[k] for k in keys for f in fits[:1]] == [f[k] for k in keys for f in fits[1:]]
 
 
 #: The measuring callbacks of issue 4; each must work under DeepSpeed and FSDP2 too, not only DDP.

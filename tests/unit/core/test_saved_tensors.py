@@ -137,3 +137,19 @@ def test_storage_freed_and_address_reused_counts_twice() -> None:
     report = counter.report()
     assert report.n_saved == 5
     assert report.activation_bytes == 5 * 256 * 256 * 4
+
+
+def test_meta_tensors_pass_through_transform_and_counters_untouched() -> None:
+    # SpeedMonitor counts FLOPs on a meta copy while ActivationCompression/Offload and MemoryBreakdown are active:
+    # meta tensors have no data to transform (copying them out raises) and no bytes to count.
+    from lightning_trainopt.techniques.compression import Int8Compressor
+
+    w = torch.empty(32, 32, device="meta", requires_grad=True)
+    real = torch.randn(8, 8, requires_grad=True)
+    with SavedTensorsCounter() as counter, transform_saved_tensors(Int8Compressor(min_numel=1)):
+        y = torch.sin(torch.empty(4, 32, device="meta") @ w)
+        y.sum().backward()
+        assert w.grad is not None
+        assert w.grad.shape == (32, 32)
+        torch.sin(real)  # a real tensor is still compressed and counted: 64 int8 codes + one fp32 block scale
+    assert counter.report().by_dtype == {"int8": 8 * 8, "float32": 4}
