@@ -11,7 +11,8 @@ from lightning_trainopt.core.estimate import (
     measure_activation_bytes,
 )
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.models import GPT, GPTConfig
+from lightning_trainopt.models import GPTConfig
+from tests.helpers.gpt import gpt_in_dtype
 
 TINY = GPTConfig(vocab_size=256, n_layers=2, d_model=64, n_heads=4, ffn_hidden=160, max_seq_len=256)
 GQA = GPTConfig(
@@ -33,17 +34,8 @@ def _measured(cfg: GPTConfig, b: int, t: int, dtype: torch.dtype, autocast: bool
             logits = model(x)
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
-    def build() -> GPT:
-        # Fake parameters cannot be converted with .to(); build them in the wanted dtype instead.
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return GPT(cfg)
-        finally:
-            torch.set_default_dtype(previous)
-
     return measure_activation_bytes(
-        build,
+        lambda: gpt_in_dtype(cfg, dtype),
         lambda: (torch.randint(0, cfg.vocab_size, (b, t)), torch.randint(0, cfg.vocab_size, (b, t))),
         loss_fn=loss,
     )

@@ -7,7 +7,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_trainopt.core.estimate import estimate_transformer_activations, measure_activation_bytes
-from lightning_trainopt.models import GPT, GPTConfig
+from lightning_trainopt.models import GPTConfig
+from tests.helpers.gpt import gpt_in_dtype
 
 MHA = GPTConfig(name="mha", vocab_size=256, n_layers=2, d_model=128, n_heads=4, ffn_hidden=256, max_seq_len=1024)
 GQA = GPTConfig(
@@ -16,20 +17,15 @@ GQA = GPTConfig(
 
 
 def _measure(cfg: GPTConfig, dtype: torch.dtype, autocast: bool, b: int, t: int) -> int:
-    def build() -> GPT:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return GPT(cfg)
-        finally:
-            torch.set_default_dtype(previous)
-
     def inputs() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randint(0, cfg.vocab_size, (b, t)), torch.randint(0, cfg.vocab_size, (b, t))
 
     with sdpa_kernel(SDPBackend.MATH):
         return measure_activation_bytes(
-            build, inputs, lambda m, x: m.loss(*x), autocast_dtype=torch.bfloat16 if autocast else None
+            lambda: gpt_in_dtype(cfg, dtype),
+            inputs,
+            lambda m, x: m.loss(*x),
+            autocast_dtype=torch.bfloat16 if autocast else None,
         )
 
 
