@@ -44,13 +44,17 @@ class TransformerFlops:
 
     Args:
         forward: model FLOPs of the forward pass.
-        block_forward: the part of ``forward`` spent in the transformer blocks (what checkpointing recomputes).
+        block_forward: the part of ``forward`` spent in the transformer blocks.
         attention_forward: the ``QK^T`` and ``AV`` part of ``forward``.
+        block_recompute: the part of ``block_forward`` that checkpointing every block replays in backward. Torch's
+            non-reentrant checkpoint stops replaying once every saved tensor is rebuilt (early stop, its default),
+            so each block's last matmul, the FFN down-projection whose output nothing saves, is not re-run.
     """
 
     forward: int
     block_forward: int
     attention_forward: int
+    block_recompute: int
 
     @property
     def train(self) -> int:
@@ -58,8 +62,8 @@ class TransformerFlops:
         return 3 * self.forward
 
     def hardware_train(self, recompute_fraction: float = 0.0) -> int:
-        """FLOPs the hardware executes when ``recompute_fraction`` of the blocks' forward is recomputed (HFU)."""
-        return self.train + int(round(recompute_fraction * self.block_forward))
+        """FLOPs the hardware executes when ``recompute_fraction`` of the blocks are checkpointed (HFU)."""
+        return self.train + int(round(recompute_fraction * self.block_recompute))
 
 
 def transformer_flops(cfg: GPTConfig, seq_len: int, batch_size: int = 1) -> TransformerFlops:
@@ -70,8 +74,14 @@ def transformer_flops(cfg: GPTConfig, seq_len: int, batch_size: int = 1) -> Tran
     # QK^T and AV: 2 * (2 * T * T * head_dim) per head.
     attention = 4 * batch_size * cfg.n_heads * seq_len * seq_len * hd
     block = cfg.n_layers * (2 * matmul_per_block * tokens + attention)
+    down_proj = cfg.n_layers * 2 * cfg.ffn_hidden * d * tokens
     head = 2 * d * cfg.vocab_size * tokens
-    return TransformerFlops(forward=block + head, block_forward=block, attention_forward=cfg.n_layers * attention)
+    return TransformerFlops(
+        forward=block + head,
+        block_forward=block,
+        attention_forward=cfg.n_layers * attention,
+        block_recompute=block - down_proj,
+    )
 
 
 def meta_copy(module: nn.Module, share: tuple[Any, ...] = ()) -> nn.Module:

@@ -84,6 +84,10 @@ class CheckpointPlan:
     to its module in the module tree, i.e. once per call for a block shared by several slots of a ``ModuleList``
     (ALBERT-style weight sharing); a block called several times from one slot is counted once (its calls cannot be
     seen without running it). Attention's score matmuls (no weights) are left out of both sides, as in ``6N``.
+    The share is an upper bound: torch's non-reentrant checkpoint stops replaying once every saved tensor is rebuilt,
+    so a region's last matmul (whose output nothing saves, e.g. an FFN down-projection) is not re-run, and a region
+    with nothing that needs a gradient replays nothing. ``SpeedMonitor`` measures the real replay with its flop
+    counter, and for our model counts it exactly (:class:`~lightning_trainopt.core.flops.TransformerFlops`).
 
     Args:
         wrapped: qualified names of the checkpointed modules.
@@ -104,7 +108,8 @@ class CheckpointPlan:
 
     @property
     def recomputed_fraction(self) -> float:
-        """Share of the forward pass's weight-matmul FLOPs that backward recomputes (0..1)."""
+        """Share of the forward pass's weight-matmul FLOPs inside wrapped modules (0..1): an upper bound on what
+        backward recomputes (see the class docstring)."""
         return self.recomputed_params / self.linear_params if self.linear_params else 0.0
 
     @property

@@ -32,8 +32,33 @@ def test_formula_by_hand():
     assert f.forward == 2 * matmul_params * 4 + attention + 2 * 8 * 100 * 4
     assert f.attention_forward == attention
     assert f.train == 3 * f.forward
-    assert f.hardware_train(1.0) == f.train + f.block_forward
-    assert f.hardware_train(0.5) == f.train + round(f.block_forward / 2)
+    # Checkpointing replays each block but its FFN down-projection (torch's early stop): 2 * F * d per token.
+    assert f.block_recompute == f.block_forward - 2 * 16 * 8 * 4
+    assert f.hardware_train(1.0) == f.train + f.block_recompute
+    assert f.hardware_train(0.5) == f.train + round(f.block_recompute / 2)
+
+
+@pytest.mark.parametrize("every_k", [1, 2])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GPTConfig(vocab_size=256, n_layers=4, d_model=64, n_heads=4, ffn_hidden=160, max_seq_len=128),
+        GPTConfig(
+            vocab_size=512, n_layers=3, d_model=128, n_heads=8, n_kv_heads=2, ffn_hidden=344, tie_embeddings=False
+        ),
+    ],
+)
+def test_analytic_recompute_equals_what_the_counter_sees_torch_replay(cfg, every_k):
+    # The analytic HFU (our model) must agree with the FLOPs torch really replays under our ActivationCheckpointing.
+    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    apply_activation_checkpointing(model, CheckpointPolicy(every_k=every_k))
+    fit = fit_seq_flops(model, torch.zeros(2, 64, dtype=torch.long), samples=2, seq_len=64)
+    f = transformer_flops(cfg, 64, 2)
+    share = len(range(0, cfg.n_layers, every_k)) / cfg.n_layers
+    assert fit.hardware(2, 64) - fit(2, 64) == f.hardware_train(share) - f.train
 
 
 def test_meta_copy_allocates_nothing_and_keeps_the_original():
