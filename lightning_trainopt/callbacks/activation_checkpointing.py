@@ -62,6 +62,7 @@ class ActivationCheckpointing(Callback):
             key_prefix=KEY_PREFIX,
         )
         self.plan: CheckpointPlan | None = None
+        self._applied_to: pl.LightningModule | None = None
 
     @property
     def recomputed_fraction(self) -> float:
@@ -74,6 +75,10 @@ class ActivationCheckpointing(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Idempotent within a fit: MicroBatchFinder calls it first when it precedes this callback in the list.
+        if self._applied_to is pl_module:
+            return
+        self._applied_to = pl_module
         self.plan = apply_activation_checkpointing(pl_module, self.policy)
         if self.plan.self_checkpointed:
             rank_zero_warn(
@@ -98,6 +103,7 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.plan is not None:
             remove_activation_checkpointing(pl_module, self.plan.wrapped)
+        self._applied_to = None
 
     def summary(self) -> dict[str, Any]:
         """``{"activation_checkpointing": {wrapped, candidates, every_k, recomputed_fraction, flops_factor,

@@ -163,8 +163,9 @@ class MicroBatchFinder(Callback):
     ``training_step`` (forward *and* loss), inside the precision plugin's context (autocast under ``bf16-mixed``),
     as the fit loop runs it; ``self.log`` is silenced meanwhile. Model states are measured too (parameters,
     gradients, and the optimizer's state from one probe step on the CPU over one zero copy per distinct parameter
-    shape, or ``model_state_bytes``). Measure after activation checkpointing is applied: put this callback after
-    :class:`ActivationCheckpointing`. Saved-tensor transforms (int8 compression) are not active during the
+    shape, or ``model_state_bytes``). The model is measured with activation checkpointing applied: an
+    :class:`ActivationCheckpointing` of the same Trainer is applied first, wherever it is in the callback list.
+    Saved-tensor transforms (int8 compression) are not active during the
     measurement, so with them the plan errs on the safe side.
 
     - On CPU the plan is checked against ``budget_bytes`` (required: the CPU has no allocator limit to probe).
@@ -318,6 +319,13 @@ class MicroBatchFinder(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
+
+        # Measure the model as it will train: an ActivationCheckpointing listed after this callback would wrap the
+        # blocks only after the measurement (a micro-batch several times too small); apply it now (idempotent).
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(cb, ActivationCheckpointing):
+                cb.on_fit_start(trainer, pl_module)
         micro0 = int(lightning_getattr(pl_module, self.batch_arg_name) or 0)
         accumulate0 = int(trainer.accumulate_grad_batches)
         world = max(1, trainer.world_size)

@@ -290,3 +290,25 @@ def test_deepspeed_master_partitions_are_not_divided_twice() -> None:
     params, grads = 4 * 4096, 4 * 4096 // 2  # ZeRO-2 shards gradients
     states = 8 * 2048 + 4 + 4 * 2048  # two fp32 moments + step, and the fp32 master partition
     assert got == params + grads + states
+
+
+@pytest.mark.parametrize("finder_first", [False, True])
+def test_measures_the_checkpointed_model_whatever_the_callback_order(finder_first: bool) -> None:
+    # Listed before ActivationCheckpointing, the finder used to measure the unwrapped model and pick a micro-batch
+    # several times too small; it now applies the checkpointing first, once.
+    from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
+
+    def per_sample(order: list[pl.Callback]) -> int:
+        finder = next(cb for cb in order if isinstance(cb, MicroBatchFinder))
+        torch.manual_seed(0)
+        tiny_trainer(order, max_steps=1).fit(tiny_module(), datamodule=tiny_data(batch_size=8))
+        assert finder.plan is not None
+        return finder.plan.per_sample_bytes
+
+    plain = per_sample([MicroBatchFinder(budget_bytes=2**40)])
+    ckpt = ActivationCheckpointing()
+    finder = MicroBatchFinder(budget_bytes=2**40)
+    checkpointed = per_sample([finder, ckpt] if finder_first else [ckpt, finder])
+    assert checkpointed < plain / 2
+    assert ckpt.plan is not None
+    assert ckpt.summary()["activation_checkpointing"]["wrapped"] == 2  # both tiny blocks, wrapped once
