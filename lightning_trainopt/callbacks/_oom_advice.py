@@ -20,7 +20,9 @@ def oom_advice(
     """Concrete remedies, largest saving first.
 
     Args:
-        breakdown: bytes at the peak: ``params``, ``grads``, ``optimizer_states``, ``activations``, ``other``, ``peak``.
+        breakdown: bytes at the peak: ``params``, ``grads``, ``optimizer_states``, ``activations``, ``other``, ``peak``,
+            and optionally ``activations_weight_copies`` (the part of ``activations`` that autocast's weight copies
+            take, which a smaller micro-batch does not cut).
         device_bytes: device memory, to say how far over the peak went.
         n_layers: transformer blocks (for the checkpointing estimate).
         micro_batch: current micro-batch per device.
@@ -43,12 +45,13 @@ def oom_advice(
                 f"second block{blocks} saves about {acts / 2 / _GIB:.2f} GiB",
             )
         )
-        if micro_batch and micro_batch > 1:
+        per_batch = max(0, acts - b.get("activations_weight_copies", 0))
+        if micro_batch and micro_batch > 1 and per_batch:
             advice.append(
                 (
-                    acts / 2,
+                    per_batch / 2,
                     f"halve the micro-batch ({micro_batch} -> {micro_batch // 2}) and double "
-                    f"accumulation ({accumulate} -> {2 * accumulate}): about {acts / 2 / _GIB:.2f} GiB less, "
+                    f"accumulation ({accumulate} -> {2 * accumulate}): about {per_batch / 2 / _GIB:.2f} GiB less, "
                     f"same tokens per optimizer step",
                 )
             )

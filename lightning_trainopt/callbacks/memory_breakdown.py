@@ -47,6 +47,10 @@ class MemoryBreakdown(Callback):
     step (the largest micro-batch under accumulation). On CUDA, ``peak`` is the allocator's peak over that step and
     ``other`` = peak - (params + grads + optimizer states + activations): temporaries, workspace, fragmentation.
     On CPU there are no allocator statistics, so ``other`` and ``peak_memory_bytes`` are ``None``.
+    ``activations_weight_copies`` is the part of ``activations`` that autocast's half-precision copies of trainable
+    weights take (saved for the input gradient; it does not shrink with the micro-batch, but checkpointing and int8
+    compression cut it like any saved tensor). A step whose ``training_step`` returns ``None`` (no backward) is not
+    measured; the next one is.
 
     Each requested step is measured at the first optimizer step at or after it: under manual optimization with two
     optimizers ``global_step`` moves by 2 a batch (0, 2, 4, ...), so ``at_steps=[1]`` measures step 2. Requested steps
@@ -141,12 +145,19 @@ class MemoryBreakdown(Callback):
         if self._counter is None or step is None or trainer.global_step == step:
             return  # still inside the measured optimizer step (accumulation)
         self._counter.stop()
+        if self._counter.n_marks == 0:
+            # No backward ran in the measured step (training_step returned None, a skipped batch): nothing was
+            # measured, so measure the next step instead of recording zeros.
+            self._counter = None
+            self._measuring_step = None
+            return
         fn = self.model_state_fn or accounted_model_states
         # Optimizer states exist only after the step: read them now, grads from before the step.
         states = dict(fn(trainer, pl_module))
         states["grads"] = self._states.get("grads", states.get("grads", 0))
         row: dict[str, Any] = {k: int(v) for k, v in states.items()}
         row["activations"] = int(self._counter.peak)
+        row["activations_weight_copies"] = int(self._counter.peak_weight_copy_bytes)
         if pl_module.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(pl_module.device))
             known = row.get("params", 0) + row.get("grads", 0) + row.get("optimizer_states", 0) + row["activations"]

@@ -149,13 +149,20 @@ class MemorySnapshot(Callback):
         states = accounted_model_states(trainer, pl_module)
         peak = int(torch.cuda.max_memory_allocated(device))
         measured = find_callback(trainer, "MemoryBreakdown")
-        acts = None
+        acts, copies = None, 0
         if measured is not None and measured.results:
-            acts = measured.results[max(measured.results)].get("activations")
+            row = measured.results[max(measured.results)]
+            acts, copies = row.get("activations"), int(row.get("activations_weight_copies") or 0)
         model = sum(states.get(k, 0) for k in ("params", "grads", "optimizer_states"))
         # Without a measured figure, everything above the model states counts as activations + temporaries.
         activations = int(acts) if acts is not None else max(0, peak - model)
-        breakdown = {**states, "activations": activations, "other": peak - model - activations, "peak": peak}
+        breakdown = {
+            **states,
+            "activations": activations,
+            "activations_weight_copies": copies,
+            "other": peak - model - activations,
+            "peak": peak,
+        }
         cfg = getattr(pl_module, "config", None)
         loader = trainer.train_dataloader
         advice = oom_advice(

@@ -78,6 +78,9 @@ class SavedTensorsReport:
         n_storages: number of unique non-parameter storages counted.
         by_device: ``activation_bytes`` split by device type (``cpu``, ``cuda``), e.g. to show offload.
         by_dtype: ``activation_bytes`` split by dtype name (``float32``, ``int8``, ...).
+        weight_copy_bytes: the part of ``activation_bytes`` that is dtype casts of trainable parameters (autocast's
+            half-precision weight copies, kept for the input gradient): it does not grow with the micro-batch.
+            Casts of frozen parameters cannot be traced back to them and are not in it.
     """
 
     activation_bytes: int
@@ -86,6 +89,7 @@ class SavedTensorsReport:
     n_storages: int
     by_device: dict[str, int] = field(default_factory=dict)
     by_dtype: dict[str, int] = field(default_factory=dict)
+    weight_copy_bytes: int = 0
 
     def device_bytes(self, device_type: str) -> int:
         """Activation bytes resident on one device type (``"cuda"``, ``"cpu"``)."""
@@ -100,6 +104,7 @@ class SavedTensorsReport:
             "n_storages": self.n_storages,
             "by_device": dict(self.by_device),
             "by_dtype": dict(self.by_dtype),
+            "weight_copy_bytes": self.weight_copy_bytes,
         }
 
 
@@ -137,6 +142,19 @@ def _is_parameter(t: torch.Tensor, param_keys: set[tuple[str, int]]) -> bool:
     return (device, ptr) in param_keys
 
 
+def is_weight_copy(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the tensor it views) is a dtype cast of a trainable ``nn.Parameter``, as autocast makes.
+
+    Traced through autograd: the cast's ``ToCopyBackward0`` node leads straight to the parameter's gradient
+    accumulator. A cast of a frozen parameter has no such node and is not recognised.
+    """
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    return any(isinstance(getattr(nxt, "variable", None), torch.nn.Parameter) for nxt, _ in fn.next_functions)
+
+
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -172,29 +190,39 @@ class SavedTensorsCounter:
                 device, ptr, _ = _storage_key(p)
                 self._param_keys.add((device, ptr))
         self.peak = 0
+        self.peak_weight_copy_bytes = 0
+        self.n_marks = 0
         self.reset()
 
     def reset(self) -> None:
         """Forget everything counted so far (``peak`` included)."""
         self._storages: dict[tuple[Any, ...], tuple[int, str, str]] = {}
         self._param_storages: dict[tuple[Any, ...], int] = {}
+        self._copy_keys: set[tuple[Any, ...]] = set()
         self._refs: dict[tuple[Any, ...], Any] = {}
         self._retired: list[tuple[tuple[Any, ...], int]] = []
         self._generation = 0
         self._n_saved = 0
         self.peak = 0
+        self.peak_weight_copy_bytes = 0
+        self.n_marks = 0
 
     def mark(self) -> int:
         """End one forward pass: fold its activation bytes into :attr:`peak`, start the next count, return them."""
-        now = self.report().activation_bytes
-        self.peak = max(self.peak, now)
+        report = self.report()
+        now = report.activation_bytes
+        if now >= self.peak:
+            self.peak, self.peak_weight_copy_bytes = now, report.weight_copy_bytes
+        self.n_marks += 1
         self._storages, self._param_storages, self._n_saved = {}, {}, 0
+        self._copy_keys = set()
         self._refs, self._retired = {}, []
         return now
 
     def record(self, stored: Any, original: torch.Tensor) -> None:
         """Count what is really kept for ``original``: ``stored`` is a tensor or a nest of tensors."""
         self._n_saved += 1
+        weight_copy = is_weight_copy(original)
         for t in _tensors_in(stored):
             device, ptr, nbytes = _storage_key(t)
             key: tuple[Any, ...] = (device, ptr)
@@ -212,6 +240,8 @@ class SavedTensorsCounter:
                 self._param_storages[key] = nbytes
             else:
                 self._storages[key] = (nbytes, t.device.type, str(t.dtype).removeprefix("torch."))
+                if weight_copy:
+                    self._copy_keys.add(key)
 
     def _retired_generation(self, key: tuple[Any, ...]) -> int:
         for old, generation in reversed(self._retired):
@@ -231,6 +261,7 @@ class SavedTensorsCounter:
             parameter_bytes=sum(self._param_storages.values()),
             n_saved=self._n_saved,
             n_storages=len(self._storages),
+            weight_copy_bytes=sum(self._storages[k][0] for k in self._copy_keys if k in self._storages),
             by_device=by_device,
             by_dtype=by_dtype,
         )

@@ -5,6 +5,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_trainopt.callbacks import MemoryBreakdown
 from lightning_trainopt.core.saved_tensors import measure_saved_tensors
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models.lit_gpt import LitGPT
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._foreign import TwoOptimizers
@@ -107,3 +108,39 @@ def test_bad_arguments_are_refused_in_init(kwargs, key):
         MemoryBreakdown(**kwargs)
     assert err.value.key == f"callbacks.memory_breakdown.{key}"
     assert err.value.value == kwargs[key]
+
+
+def test_bf16_mixed_reports_the_autocast_weight_copies_inside_activations():
+    cb = MemoryBreakdown(at_steps=[0])
+    module = tiny_module()
+    tiny_trainer([cb], max_steps=1, precision="bf16-mixed").fit(module, tiny_data(batch_size=4, seq_len=16))
+    row = cb.results[0]
+    # Every Linear weight's bf16 copy (2 B per element), a tied lm_head/embedding weight once; the embedding lookup
+    # itself saves no copy.
+    weights = {id(m.weight): m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    linear = sum(weights.values())
+    assert row["activations_weight_copies"] == 2 * linear
+    assert 0 < row["activations_weight_copies"] < row["activations"]
+    assert cb.summary()["memory_breakdown"]["activations_weight_copies"] == 2 * linear
+
+
+def test_fp32_has_no_weight_copies():
+    cb = MemoryBreakdown(at_steps=[0])
+    tiny_trainer([cb], max_steps=1).fit(tiny_module(), tiny_data(batch_size=4, seq_len=16))
+    assert cb.results[0]["activations_weight_copies"] == 0
+
+
+class _SkipsFirstBatch(LitGPT):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            return None  # a skipped batch: no backward, no optimizer step
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_without_backward_is_not_recorded_as_zeros():
+    cb = MemoryBreakdown(at_steps=[0])
+    module = _SkipsFirstBatch(TINY)
+    # Lightning still calls optimizer.step for a None step (global_step 0 -> 1); the next step is measured.
+    tiny_trainer([cb], max_steps=2).fit(module, tiny_data(batch_size=4, seq_len=16))
+    assert list(cb.results) == [1]
+    assert cb.results[1]["activations"] == _expected_activations(module) > 0

@@ -27,3 +27,20 @@ def test_zero_advice_with_ranks_and_empty():
         "optimizer states are 8.00 GiB; sharding them over 4 ranks (ZeRO-1/FSDP) saves about 6.00 GiB per rank"
     ]
     assert "MemoryBreakdown" in oom_advice({})[0]
+
+
+def test_halving_the_micro_batch_does_not_promise_the_weight_copies():
+    # 12 GiB of activations of which 4 GiB are autocast weight copies: a smaller micro-batch cuts only 8 GiB's half.
+    lines = oom_advice(
+        {
+            "params": 2 * GIB,
+            "grads": 2 * GIB,
+            "optimizer_states": 4 * GIB,
+            "activations": 12 * GIB,
+            "activations_weight_copies": 4 * GIB,
+            "other": 0,
+        },
+        micro_batch=8,
+    )
+    assert any("halve the micro-batch (8 -> 4)" in line and "about 4.00 GiB less" in line for line in lines)
+    assert any("checkpointing every second block" in line and "saves about 6.00 GiB" in line for line in lines)

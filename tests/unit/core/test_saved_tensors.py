@@ -153,3 +153,23 @@ def test_meta_tensors_pass_through_transform_and_counters_untouched() -> None:
         assert w.grad.shape == (32, 32)
         torch.sin(real)  # a real tensor is still compressed and counted: 64 int8 codes + one fp32 block scale
     assert counter.report().by_dtype == {"int8": 8 * 8, "float32": 4}
+
+
+def test_autocast_weight_copies_are_reported_apart_inside_activations() -> None:
+    # Under autocast each Linear saves a bf16 copy of its trainable weight for the input gradient: real bytes
+    # saved for backward (activations), but fixed per step. A frozen weight's copy cannot be traced to it.
+    torch.manual_seed(0)
+    trained, frozen = nn.Linear(64, 32, bias=False), nn.Linear(32, 16, bias=False).requires_grad_(False)
+    x = torch.randn(8, 64, requires_grad=True)
+    params = [*trained.parameters(), *frozen.parameters()]
+    with SavedTensorsCounter(params=params) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = frozen(trained(x))
+    report = counter.report()
+    assert report.weight_copy_bytes == 64 * 32 * 2  # the trained weight's bf16 copy only
+    # Also saved: the frozen weight's copy (for the input gradient) and the input's own bf16 cast (x is a leaf, not
+    # a parameter), both activations; the frozen layer's input is not saved (no weight gradient to compute).
+    assert report.activation_bytes == 64 * 32 * 2 + 32 * 16 * 2 + 8 * 64 * 2
+    assert counter.mark() == report.activation_bytes
+    assert (counter.peak, counter.peak_weight_copy_bytes, counter.n_marks) == (report.activation_bytes, 64 * 32 * 2, 1)
+    y.float().sum().backward()
+    assert trained.weight.grad is not None
