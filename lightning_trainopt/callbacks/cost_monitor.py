@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import (
@@ -35,13 +35,22 @@ __all__ = ["CostMonitor"]
 _KEY = "callbacks.cost_monitor"
 
 
+def _plus(before: int | None, per_rank: int | None, world_size: int) -> int | None:
+    """Earlier runs' count plus one rank's count of the current run on every rank; unknown if either is."""
+    return None if before is None or per_rank is None else before + per_rank * world_size
+
+
 class CostMonitor(Callback):
     """Dollars of the run from the price per device-hour of the ``hardware`` preset.
 
-    Billed time is wall-clock training time (``on_train_start`` to now) times the world size. Idle dollars use
-    GPUMonitor's mean utilisation when present, else StepTimer's input-wait share. Tokens and samples are counted
-    like SpeedMonitor counts them (shapes, an attention mask's sum, or ``tokens_fn``/``samples_fn``); batches it cannot
-    size leave out the per-token and per-sample figures (one warning) while dollars and hours are still reported.
+    Billed time is wall-clock training time (``on_train_start`` to now) times the world size. A resume adds to the
+    checkpoint's device-hours and tokens, which keep the world size they were run on: only the new run's time is
+    billed at the new world size, and the projection (to ``max_steps`` or ``target_tokens``) uses the new run's rate
+    and world size only. A new fit (``global_step`` 0, no state restored for it) starts its figures afresh.
+    Idle dollars use GPUMonitor's mean utilisation when present, else StepTimer's input-wait share. Tokens and samples
+    are counted like SpeedMonitor counts them (shapes, an attention mask's sum, or ``tokens_fn``/``samples_fn``);
+    batches it cannot size leave out the per-token and per-sample figures (one warning) while dollars and hours are
+    still reported.
 
     Args:
         hardware: a :class:`HardwareSpec` (``conf/hardware``) or preset name; default ``auto``.
@@ -85,23 +94,34 @@ class CostMonitor(Callback):
         self._clock = clock or default_clock
         self._spec: HardwareSpec | None = None
         self._price: float | None = None
-        self._elapsed_before = 0.0
+        # Figures of earlier runs (before a resume, or earlier spans of this fit): all devices, each run billed at the
+        # world size it ran on. None: a batch was not sized, so the count is unknown for the run.
+        self._hours_before = 0.0
+        self._tokens_before: int | None = 0
+        self._samples_before: int | None = 0
+        self._legacy: dict[str, Any] | None = None  # a checkpoint state without its world size (before 2026-11-30)
+        # The current run: its start, world size and first step; tokens and samples counted on this rank.
         self._t0: float | None = None
+        self._devices = 1
+        self._steps_start = 0
         self._tokens_host: int | None = 0
         self._tokens_dev: torch.Tensor | None = None
         self._samples: int | None = 0
         self._sizer = BatchSizer(
             "CostMonitor", samples_fn, tokens_fn, "its per-token and per-sample figures are left out"
         )
+        self._stage: str | None = None
+        self._restored = False
         self._logged_step = -1
         self._steps_done = 0
         self._steps_total: int | None = None
-        self._devices = 1
         self._edge = StepEdge()
         self._report: CostReport | None = None
+        self._final_counts: tuple[int | None, int | None] = (None, None)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = stage
         if stage != "fit":
             return
         spec = self.hardware
@@ -117,15 +137,63 @@ class CostMonitor(Callback):
             )
 
     @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning skips teardown when a stage raises; the time already trained stays billed.
+        self._close_run()
+        self._stage = None
+        self._restored = False
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t0 = self._clock()
+        restored, self._restored = self._restored, False
+        if not restored and trainer.global_step == 0:  # a new run: figures start afresh
+            self._hours_before, self._tokens_before, self._samples_before = 0.0, 0, 0
+            self._legacy = None
+            self._sizer.warned = False
         self._devices = trainer.world_size
+        if self._legacy is not None:
+            self._adopt_legacy(self._legacy)
+        self._start_run(trainer.global_step)
+        self._report = None
         self._edge.reset(trainer)
         self._logged_step = -1
         self._steps_total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if self._steps_total is None:
             est = trainer.estimated_stepping_batches
             self._steps_total = int(est) if est != float("inf") else None
+
+    def _start_run(self, step: int) -> None:
+        self._t0 = self._clock()
+        self._steps_start = self._steps_done = step
+        self._tokens_host, self._tokens_dev, self._samples = 0, None, 0
+
+    def _close_run(self) -> None:
+        """Fold the current run into the earlier runs' figures (at its own world size)."""
+        if self._t0 is None:
+            return
+        self._hours_before, self._tokens_before, self._samples_before = self._totals()
+        self._t0 = None
+        self._tokens_host, self._tokens_dev, self._samples = 0, None, 0
+
+    def _adopt_legacy(self, state: dict[str, Any]) -> None:
+        """Bill an older checkpoint's wall seconds and one-device counts at the current world size (one warning)."""
+        self._legacy = None
+        n = self._devices
+        rank_zero_warn(
+            f"CostMonitor: the checkpoint's cost state has no world size (saved before CostMonitor stored "
+            f"device-hours); its {state['elapsed_s']:.1f} s and per-device counts are billed at this run's world size "
+            f"({n}). If the checkpoint was saved on another number of devices, the figures before the resume are off "
+            f"by that ratio.",
+            category=UserWarning,
+        )
+        tokens, samples = state["tokens"], state["samples"]
+        self._hours_before = state["elapsed_s"] / 3600 * n
+        self._tokens_before = None if tokens is None else int(tokens) * n
+        self._samples_before = None if samples is None else int(samples) * n
 
     @override
     def on_train_batch_start(
@@ -143,11 +211,19 @@ class CostMonitor(Callback):
         else:
             self._tokens_host += tokens
 
-    def _tokens(self) -> int | None:
+    def _run_tokens(self) -> int | None:
+        """Tokens of the current run on this rank."""
         if self._tokens_dev is not None and self._tokens_host is not None:
             self._tokens_host += int(self._tokens_dev.item())  # only at logging windows
         self._tokens_dev = None
         return self._tokens_host
+
+    def _totals(self) -> tuple[float, int | None, int | None]:
+        """Device-hours, tokens and samples so far: earlier runs plus the current one, all devices."""
+        n = self._devices
+        run_s = self._clock() - self._t0 if self._t0 is not None else 0.0
+        tokens = _plus(self._tokens_before, self._run_tokens(), n)
+        return self._hours_before + run_s / 3600 * n, tokens, _plus(self._samples_before, self._samples, n)
 
     def _idle_fraction(self, trainer: pl.Trainer) -> float | None:
         gpu = find_callback(trainer, "GPUMonitor")
@@ -160,19 +236,23 @@ class CostMonitor(Callback):
         return None
 
     def report(self, trainer: pl.Trainer) -> CostReport:
-        """The cost so far (all devices), projected to ``target_tokens`` or the run's optimizer steps."""
-        elapsed = self._elapsed_before + (self._clock() - self._t0 if self._t0 is not None else 0.0)
-        tokens = self._tokens()
+        """The cost so far (all devices, earlier runs included), projected at the current run's rate to
+        ``target_tokens`` or the run's optimizer steps."""
+        run_s = self._clock() - self._t0 if self._t0 is not None else 0.0
+        _, tokens, samples = self._totals()
         return cost_report(
-            elapsed,
+            run_s,
             self._devices,
             self._price,
-            None if tokens is None else tokens * self._devices,
+            tokens,
             steps_done=self._steps_done,
             steps_total=self._steps_total,
             tokens_target=self.target_tokens,
             idle_fraction=self._idle_fraction(trainer),
-            samples=None if self._samples is None else self._samples * self._devices,
+            samples=samples,
+            prior_device_hours=self._hours_before,
+            prior_steps=min(self._steps_start, self._steps_done),
+            prior_tokens=self._tokens_before or 0,
         )
 
     def _log(self, trainer: pl.Trainer, r: CostReport) -> None:
@@ -204,9 +284,8 @@ class CostMonitor(Callback):
         self._report = self.report(trainer)
         if self._logged_step != trainer.global_step:  # a run shorter than the window still logs its cost once
             self._log(trainer, self._report)
-        if self._t0 is not None:
-            self._elapsed_before += self._clock() - self._t0
-            self._t0 = None
+        self._close_run()
+        self._final_counts = (self._tokens_before, self._samples_before)
         r = self._report
         if r.dollars is not None:
             rank_zero_info(
@@ -216,10 +295,14 @@ class CostMonitor(Callback):
 
     def summary(self) -> dict[str, Any]:
         """``{"cost": {device_hours, dollars, dollars_per_1b_tokens, dollars_per_1m_samples, projected_*,
-        idle_fraction, dollars_lost_idle, tokens, samples, price_per_device_hour, price_source, hardware}}``."""
+        idle_fraction, dollars_lost_idle, tokens, samples, price_per_device_hour, price_source, hardware}}``.
+
+        Figures of the last fit as it ended (earlier runs before a resume included); ``tokens``/``samples`` are all
+        devices' and ``None`` when a batch could not be sized. Before any fit has ended: ``tokens``/``samples`` so far.
+        """
         out: dict[str, Any] = self._report.to_dict() if self._report else {}
-        out["tokens"] = None if self._tokens_host is None else self._tokens_host * self._devices
-        out["samples"] = None if self._samples is None else self._samples * self._devices
+        tokens, samples = self._final_counts if self._report else self._totals()[1:]
+        out["tokens"], out["samples"] = tokens, samples
         out["price_per_device_hour"] = self._price
         out["price_source"] = (
             "user-set (price_per_device_hour)"
@@ -231,15 +314,34 @@ class CostMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        running = self._clock() - self._t0 if self._t0 is not None else 0.0
-        return {"elapsed_s": self._elapsed_before + running, "tokens": self._tokens(), "samples": self._samples}
+        """``{"device_hours", "tokens", "samples"}`` so far, all devices (each run at its own world size)."""
+        if self._legacy is not None:  # restored but not trained on yet: its world size is still unknown
+            return dict(self._legacy)
+        hours, tokens, samples = self._totals()
+        return {"device_hours": hours, "tokens": tokens, "samples": samples}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._elapsed_before = float(state_dict["elapsed_s"])
-        if self._t0 is not None:  # loaded while training: time from now on adds to the restored figure
-            self._t0 = self._clock()
-        tokens, samples = state_dict["tokens"], state_dict.get("samples", 0)
-        self._tokens_host = None if tokens is None else int(tokens)
-        self._tokens_dev = None
-        self._samples = None if samples is None else int(samples)
+        """Restores the figures of earlier runs. A state without ``device_hours`` (older CostMonitor: wall seconds and
+        one device's counts) is billed at the world size of the run that resumes it, with one warning."""
+        running = self._t0 is not None
+        # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
+        # validate/test/predict restores start no fit, and a load while training is this fit's.
+        self._restored = self._stage in (None, "fit") and not running
+        if "device_hours" in state_dict:
+            tokens, samples = state_dict["tokens"], state_dict["samples"]
+            self._hours_before = float(state_dict["device_hours"])
+            self._tokens_before = None if tokens is None else int(tokens)
+            self._samples_before = None if samples is None else int(samples)
+            self._legacy = None
+        else:
+            legacy = {
+                "elapsed_s": float(state_dict["elapsed_s"]),
+                "tokens": state_dict["tokens"],
+                "samples": state_dict.get("samples", 0),
+            }
+            self._legacy = legacy
+            if running:
+                self._adopt_legacy(legacy)
+        if running:  # loaded while training: time and counts from now on add to the restored figures
+            self._start_run(self._steps_done)

@@ -52,6 +52,9 @@ class StepTimer(Callback):
     ``comm`` includes waiting for slower ranks (an all-reduce ends when every rank has joined it). Reductions that
     overlap backward are not exposed and count as backward, although on CPU (gloo) they compete with it for cores.
 
+    A new fit (``global_step`` 0, no state restored for it) starts its split afresh, also with a callback object used
+    before; a fit resumed from a checkpoint (``load_state_dict``) adds to the checkpoint's split.
+
     Args:
         log_every_n_steps: logging window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
         warmup_steps: optimizer steps left out of the end-of-fit split (first-step allocation, compilation).
@@ -107,6 +110,8 @@ class StepTimer(Callback):
         self._probe: CommProbe | None = None
         self._probe_kind: str | None = None
         self._comm_note: str | None = None
+        self._stage: str | None = None
+        self._restored = False
 
     def _mark(self, name: str) -> None:
         if self._cuda:
@@ -128,6 +133,7 @@ class StepTimer(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = stage
         if stage != "fit" or self._patched is not None:
             return
         strategy = trainer.strategy
@@ -195,9 +201,11 @@ class StepTimer(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning does not call Callback.teardown when fit raises (trainer/call.py), so clean up here too.
         self.teardown(trainer, pl_module, "fit")
+        self._restored = False  # a restore counts for its own fit only
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stage = None
         if self._probe is not None:
             self._probe.detach()
             self._probe = None
@@ -215,6 +223,10 @@ class StepTimer(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        restored, self._restored = self._restored, False
+        if not restored and trainer.global_step == 0:  # a new run: its split starts afresh
+            self._total = StepSplit()
+            self._verdict = None
         self._cuda = pl_module.device.type == "cuda"
         self._marks = []
         self._last_step = trainer.global_step
@@ -309,7 +321,8 @@ class StepTimer(Callback):
 
     @property
     def split(self) -> StepSplit:
-        """The split accumulated over the fit(s), warm-up excluded."""
+        """The split of this run, warm-up excluded: a resumed fit adds to the checkpoint's split (``load_state_dict``),
+        a new one (``global_step`` 0, nothing restored) starts afresh."""
         return self._total
 
     def summary(self) -> dict[str, Any]:
@@ -339,6 +352,9 @@ class StepTimer(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
+        # validate/test/predict restores start no fit.
+        self._restored = self._stage in (None, "fit")
         t = state_dict["total"]
         self._total = StepSplit(
             seconds=dict(t["seconds"]), wall=t["wall"], steps=t["steps"], comm_measured=t["comm_measured"]

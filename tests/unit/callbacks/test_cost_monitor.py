@@ -1,4 +1,7 @@
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from lightning_trainopt.callbacks import CostMonitor, StepTimer
 from lightning_trainopt.core.hardware import hardware_spec
@@ -112,3 +115,136 @@ def test_bad_arguments_are_refused_in_init(kwargs, message):
     with pytest.raises(ConfigError) as info:
         CostMonitor(**kwargs)
     assert message in str(info.value)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _stand_in(world_size: int, global_step: int, max_steps: int = 100) -> SimpleNamespace:
+    return SimpleNamespace(
+        world_size=world_size,
+        global_step=global_step,
+        max_steps=max_steps,
+        estimated_stepping_batches=max_steps,
+        callbacks=[],
+        is_global_zero=True,
+        loggers=[],
+        log_every_n_steps=1,
+    )
+
+
+def _train(monitor: CostMonitor, trainer: SimpleNamespace, clock: Clock, steps: int, seconds: float) -> None:
+    """``steps`` optimizer steps of one (2, 50)-token batch per rank, ``seconds`` in all."""
+    for _ in range(steps):
+        monitor.on_train_batch_start(trainer, None, torch.zeros(2, 50, dtype=torch.long), 0)
+        clock.t += seconds / steps
+        trainer.global_step += 1
+        monitor.on_train_batch_end(trainer, None, None, None, 0)
+
+
+def _hour_on_two_devices(clock: Clock) -> dict:
+    """The state of 1 h on 2 devices at $10/device-hour: 10 steps of 100 tokens (2 samples) per rank."""
+    first = CostMonitor(price_per_device_hour=10.0, clock=clock)
+    first.setup(SimpleNamespace(), None, "fit")
+    two = _stand_in(world_size=2, global_step=0)
+    first.on_train_start(two, None)
+    _train(first, two, clock, steps=10, seconds=3600.0)
+    assert first.report(two).dollars == 20.0
+    assert first.summary()["cost"]["tokens"] == 2000
+    return first.state_dict()
+
+
+def test_a_resume_on_another_world_size_bills_earlier_time_at_its_own_world_size():
+    # Audit Q e13: 1 h on 2 devices at $10/device-hour is $20 and 2 x 1000 tokens; resumed on 4 devices it reported
+    # $40 and 4000 tokens before training a step (the restored seconds and per-rank tokens x the new world size).
+    clock = Clock()
+    monitor = CostMonitor(price_per_device_hour=10.0, clock=clock)
+    monitor.setup(SimpleNamespace(), None, "fit")
+    monitor.load_state_dict(_hour_on_two_devices(clock))
+    four = _stand_in(world_size=4, global_step=10, max_steps=30)
+    monitor.on_train_start(four, None)
+    r = monitor.report(four)
+    assert (r.device_hours, r.dollars, r.projected_total_dollars) == (2.0, 20.0, None)
+    assert monitor.summary()["cost"]["tokens"] == 2000
+    # 10 steps in 30 min on 4 devices: 2 device-hours more; 10 steps left at this run's rate are 30 min on 4 devices.
+    _train(monitor, four, clock, steps=10, seconds=1800.0)
+    r = monitor.report(four)
+    assert (r.device_hours, r.dollars) == (4.0, 40.0)
+    assert r.projected_seconds_left == pytest.approx(1800.0)
+    assert r.projected_total_dollars == pytest.approx(40.0 + 2.0 * 10.0)
+    assert monitor.state_dict() == {"device_hours": 4.0, "tokens": 2000 + 4 * 1000, "samples": 40 + 4 * 20}
+
+
+def test_a_token_target_projects_at_the_resumed_runs_rate():
+    clock = Clock()
+    monitor = CostMonitor(price_per_device_hour=10.0, target_tokens=10_000, clock=clock)
+    monitor.setup(SimpleNamespace(), None, "fit")
+    monitor.load_state_dict(_hour_on_two_devices(clock))
+    four = _stand_in(world_size=4, global_step=10)
+    monitor.on_train_start(four, None)
+    _train(monitor, four, clock, steps=4, seconds=360.0)  # 4 x 100 tokens x 4 ranks = 1600 tokens in 360 s
+    r = monitor.report(four)
+    assert r.projected_seconds_left == pytest.approx(360.0 * (10_000 - 3600) / 1600)
+    assert r.projected_total_dollars == pytest.approx(r.dollars + r.projected_seconds_left / 3600 * 4 * 10.0)
+
+
+def test_an_older_checkpoint_state_is_billed_at_the_resumed_world_size_with_a_warning():
+    clock = Clock()
+    monitor = CostMonitor(price_per_device_hour=10.0, clock=clock)
+    monitor.setup(SimpleNamespace(), None, "fit")
+    old = {"elapsed_s": 3600.0, "tokens": 1000, "samples": 10}  # wall seconds and one rank's counts
+    monitor.load_state_dict(old)
+    assert monitor.state_dict() == old  # not trained on yet: its world size is still unknown
+    with pytest.warns(UserWarning, match=r"no world size .* billed at this run's world size \(2\)"):
+        monitor.on_train_start(_stand_in(world_size=2, global_step=10), None)
+    assert monitor.state_dict() == {"device_hours": 2.0, "tokens": 2000, "samples": 20}
+    assert monitor.report(_stand_in(world_size=2, global_step=10)).dollars == 20.0
+
+
+def test_a_second_fit_with_the_same_callback_starts_afresh():
+    # Audit Q e6: two 4-step fits with the same callback reported 512 tokens and $8 (projection $8) for the second.
+    clock = StepClock(dt=1.0)
+    monitor = CostMonitor(price_per_device_hour=3600.0, clock=clock)
+    tiny_trainer([clock, monitor], max_steps=2).fit(tiny_module(), tiny_data())
+    assert monitor.summary()["cost"]["dollars"] == 2.0
+    logger = ListLogger()
+    tiny_trainer([clock, monitor], max_steps=2, logger=logger).fit(tiny_module(), tiny_data())
+    s = monitor.summary()["cost"]
+    assert (s["dollars"], s["device_hours"], s["tokens"], s["samples"]) == (2.0, 2 / 3600, 128, 8)
+    assert logger.values("cost/dollars") == [1.0, 2.0]
+    assert logger.values("cost/projected_total_dollars") == [2.0, 2.0]
+
+
+def test_a_fit_restored_from_a_checkpoint_adds_to_its_figures(tmp_path):
+    clock = StepClock(dt=1.0)
+    monitor = CostMonitor(price_per_device_hour=3600.0, clock=clock)
+    first = tiny_trainer([clock, monitor], max_steps=2)
+    first.fit(tiny_module(), tiny_data())
+    first.save_checkpoint(tmp_path / "two.ckpt")
+    # Lightning restores the checkpoint's figures after `setup` of this fit: 2 + 1 steps, one rate for the projection.
+    logger = ListLogger()
+    resumed = tiny_trainer([clock, monitor], max_steps=3, logger=logger)
+    resumed.fit(tiny_module(), tiny_data(), ckpt_path=tmp_path / "two.ckpt")
+    s = monitor.summary()["cost"]
+    assert (s["dollars"], s["tokens"], s["samples"], s["projected_total_dollars"]) == (3.0, 192, 12, 3.0)
+    assert logger.values("cost/dollars") == [3.0]
+
+
+def test_a_state_restored_by_validate_does_not_carry_into_the_next_fit():
+    clock = Clock()
+    monitor = CostMonitor(price_per_device_hour=10.0, clock=clock)
+    state = _hour_on_two_devices(clock)
+    monitor.setup(SimpleNamespace(), None, "validate")
+    monitor.load_state_dict(state)  # trainer.validate(ckpt_path=...) restores callback states too
+    monitor.teardown(SimpleNamespace(), None, "validate")
+    monitor.setup(SimpleNamespace(), None, "fit")
+    one = _stand_in(world_size=1, global_step=0)
+    monitor.on_train_start(one, None)
+    _train(monitor, one, clock, steps=1, seconds=360.0)
+    assert monitor.report(one).dollars == pytest.approx(1.0)
+    assert monitor.summary()["cost"]["tokens"] == 100

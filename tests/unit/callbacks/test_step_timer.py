@@ -305,3 +305,45 @@ def test_no_probe_without_ddp():
     probe, why = attach_comm_probe(module, 2, lambda: None)
     assert probe is None
     assert "measured under DDP only, not for Linear" in why
+
+
+def _linear_fit(timer: StepTimer, clock: Ticker, max_steps: int, **fit_kwargs: Any) -> pl.Trainer:
+    trainer = tiny_trainer([timer], max_steps=max_steps)
+    trainer.fit(Linear4(), train_dataloaders=DataLoader(ClockDataset(clock, 0.0), batch_size=2), **fit_kwargs)
+    return trainer
+
+
+def test_a_second_fit_with_the_same_callback_starts_afresh():
+    # Audit Q e6: a second 4-step fit with the same StepTimer reported 6 steps (3 + 3). Each step here is 9 marks
+    # one tick apart (see test_time_between_steps_is_other_and_only_the_fetch_is_data_wait): 9 s.
+    clock = Ticker()
+    timer = StepTimer(log_every_n_steps=1, warmup_steps=1, clock=clock)
+    _linear_fit(timer, clock, max_steps=3)
+    assert (timer.split.steps, timer.split.wall) == (2, 18.0)
+    _linear_fit(timer, clock, max_steps=3)
+    assert (timer.split.steps, timer.split.wall) == (2, 18.0)
+    assert timer.summary()["step_time"]["steps"] == 2
+
+
+def test_a_fit_restored_from_a_checkpoint_adds_to_its_split(tmp_path):
+    clock = Ticker()
+    timer = StepTimer(log_every_n_steps=1, warmup_steps=1, clock=clock)
+    trainer = _linear_fit(timer, clock, max_steps=3)
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    # Lightning restores the split after `setup` of this fit; step 4 is the resumed fit's warm-up, step 5 adds.
+    _linear_fit(timer, clock, max_steps=5, ckpt_path=tmp_path / "three.ckpt")
+    assert (timer.split.steps, timer.split.wall) == (3, 27.0)
+
+
+def test_a_split_restored_by_validate_does_not_carry_into_the_next_fit():
+    clock = Ticker()
+    stale = StepTimer()
+    stale._total.add("forward", 50.0)
+    stale._total.wall, stale._total.steps = 100.0, 10
+    timer = StepTimer(log_every_n_steps=1, warmup_steps=1, clock=clock)
+    stand_in = SimpleNamespace()
+    timer.setup(stand_in, None, "validate")
+    timer.load_state_dict(stale.state_dict())  # trainer.validate(ckpt_path=...) restores callback states too
+    timer.teardown(stand_in, None, "validate")
+    _linear_fit(timer, clock, max_steps=3)
+    assert (timer.split.steps, timer.split.wall) == (2, 18.0)
