@@ -142,6 +142,11 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         self.preset = preset
         self.user_config = user_config
         assert isinstance(self.config, dict)
+        # Lightning reads this key when it re-initialises a ZeRO-3 engine for validation/test
+        # (_initialize_deepspeed_inference) and sets it only for configs it builds itself: a user's JSON without it
+        # crashed the first validation after training (KeyError). True is Lightning's own default; an explicit value
+        # in the user's JSON is kept. The user's file is never rewritten (this is the loaded dict).
+        self.config.setdefault("zero_allow_untested_optimizer", True)
         zero = self.config.get("zero_optimization")
         if not user_config and isinstance(zero, dict) and zero.get("stage") == 3:
             threshold = (
