@@ -86,6 +86,16 @@ class SpeedMonitor(Callback):
     measured by the flop counter (however the module checkpoints, also by itself) for any other, and the
     ``ActivationCheckpointing`` callback's estimate with ``flops_per_batch_fn``. Windows close every
     ``log_every_n_steps`` optimizer steps, at ``max_steps`` and at the end of fit, so short runs are measured too.
+    Validation inside a window (``val_check_interval``, epoch-end validation) pauses its clock, so the rates are
+    training time only; the sanity check runs before the first window opens.
+
+    Each ``fit`` is measured afresh, unless the Trainer restored this callback from a checkpoint for that fit
+    (``ckpt_path``): then the fit continues the checkpointed run. The checkpoint holds the closed windows' totals,
+    the window still open at save time (its seconds, micro-batches, samples, tokens, FLOPs and whether each was
+    known) and the step the run started at, so a checkpoint + resume reports the same totals as an uninterrupted
+    run. Warm-up is the first ``warmup_steps`` optimizer steps of the *run*, not of each process: a resume after
+    the warm-up drops no further step, a resume inside it drops only the warm-up steps left (the resumed process's
+    own start-up cost, e.g. re-compilation, is therefore counted in the first window after a resume).
 
     Args:
         log_every_n_steps: window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
@@ -95,7 +105,8 @@ class SpeedMonitor(Callback):
         tokens_fn: ``batch -> int | Tensor`` tokens of a micro-batch (default: shapes, or an attention mask's sum).
         flops_per_batch_fn: ``batch -> int`` model FLOPs (forward + backward) of a micro-batch.
         recompute_fraction: share of the forward recomputed in backward, for HFU (default: detected or measured).
-        warmup_steps: optimizer steps left out of the end-of-fit figures.
+        warmup_steps: the run's first optimizer steps, left out of every window and of the end-of-fit figures
+            (counted from the run's start, across resumes).
         clock: seconds since an arbitrary origin (tests inject a fake).
 
     Raises:
@@ -146,14 +157,10 @@ class SpeedMonitor(Callback):
         self._start_step = 0
         self._world_size = 1
         self._recompute = 0.0
-        self._totals: dict[str, Any] = {
-            "seconds": 0.0,
-            "samples": 0,
-            "tokens": 0,
-            "model_flops": 0,
-            "hardware_flops": 0,
-            "flops_known": True,
-        }
+        self._totals: dict[str, Any] = _fresh_totals()
+        # Set by load_state_dict (Lightning restores callbacks after `setup`): this fit continues a checkpointed run.
+        self._restored: dict[str, Any] | None = None
+        self._paused_at: float | None = None
         self._new_fit()
         self._reset_window()
 
@@ -168,6 +175,7 @@ class SpeedMonitor(Callback):
         self._fit_cache: dict[tuple[int, int | None], tuple[int, int]] = {}
 
     def _reset_window(self) -> None:
+        self._w_carried = 0.0  # seconds of this window measured before a checkpoint (resume)
         self._w_batches = 0
         self._w_samples: int | None = 0
         self._w_tokens: int | torch.Tensor | None = 0
@@ -178,8 +186,11 @@ class SpeedMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restored = None  # only a restore that follows this `setup` belongs to this run
         if stage != "fit":
             return
+        self._totals = _fresh_totals()  # a new fit is measured afresh; load_state_dict (after setup) may restore
+        self._paused_at = None
         spec = self.hardware
         self._spec = spec if isinstance(spec, HardwareSpec) else hardware_spec(spec or "auto")
         on_gpu = trainer.strategy.root_device.type == "cuda"
@@ -207,6 +218,47 @@ class SpeedMonitor(Callback):
         self._world_size = trainer.world_size
         self._new_fit()
         self._reset_window()
+        self._paused_at = None
+        restored, self._restored = self._restored, None
+        if restored is not None:
+            # Resumed: warm-up counts from the run's first step, and the window open at save time goes on.
+            self._start_step = int(restored.get("start_step", trainer.global_step))
+            window = restored.get("window")
+            if window:
+                self._w_carried = float(window["seconds"])
+                self._w_batches = int(window["batches"])
+                self._w_samples = window["samples"]
+                self._w_tokens = window["tokens"]
+                self._w_model_flops = int(window["model_flops"])
+                self._w_hw_flops = int(window["hardware_flops"])
+                self._w_flops_known = bool(window["flops_known"])
+
+    def _window_seconds(self) -> float:
+        """Training seconds of the open window so far: the carried part, then from its start (paused: to the pause)."""
+        if self._w_start is None:
+            return self._w_carried
+        now = self._paused_at if self._paused_at is not None else self._clock()
+        return self._w_carried + now - self._w_start
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation (val_check_interval, epoch end) is not training: stop the window's clock. No window is open
+        # during the sanity check (it runs before on_train_start).
+        if self._paused_at is not None or self._w_start is None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # the window's queued training work belongs to it
+        self._paused_at = self._clock()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused_at is None:
+            return
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # the validation's queued work is not the window's
+        if self._w_start is not None:
+            self._w_start += self._clock() - self._paused_at
+        self._paused_at = None
 
     def _with_recompute(self, model_flops: int) -> int:
         return int(round(model_flops * (1 + self._recompute / 3)))
@@ -311,11 +363,11 @@ class SpeedMonitor(Callback):
             self._close_window(trainer, pl_module)
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._w_start is None or not self._w_batches:
+        if not self._w_batches or (self._w_start is None and not self._w_carried):
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # once per window: the window's GPU work is done
-        seconds = self._clock() - self._w_start
+        seconds = self._window_seconds()
         tokens = int(self._w_tokens.item()) if isinstance(self._w_tokens, torch.Tensor) else self._w_tokens
         samples = self._w_samples
         if seconds <= 0:
@@ -352,7 +404,9 @@ class SpeedMonitor(Callback):
         self._reset_window()
 
     def summary(self) -> dict[str, Any]:
-        """``{"throughput": {...}}``: run means over all closed windows (warm-up excluded) for metrics.json.
+        """``{"throughput": {...}}``: means over this fit's closed windows (warm-up excluded) for metrics.json.
+
+        A fit resumed from a checkpoint adds to the checkpointed run's windows: the figures are the whole run's.
 
         Keys: the rates of :class:`~lightning_trainopt.core.throughput.ThroughputWindow`, ``seconds``, ``samples``,
         ``tokens``, ``flops_per_token``, ``dtype``, ``peak_tflops``, ``peak_source``, ``hardware``,
@@ -393,8 +447,34 @@ class SpeedMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": dict(self._totals)}
+        """Plain data (``torch.load(weights_only=True)`` reads it): totals, the open window and the run's first step.
+
+        Keys: ``totals`` (closed windows, as in :meth:`summary`), ``window`` (the open window: ``seconds`` of
+        training so far, ``batches``, ``samples``, ``tokens`` (``None``: unknown), ``model_flops``,
+        ``hardware_flops``, ``flops_known``) and ``start_step`` (the global step the run started at, for warm-up).
+        """
+        if self._restored is not None:  # loaded and not applied yet (no fit since): saved as it was loaded
+            return {"totals": dict(self._totals), **self._restored}
+        tokens = self._w_tokens
+        if isinstance(tokens, torch.Tensor):
+            tokens = int(tokens.item())  # a device counter: read back once, at checkpoint time
+        window = {
+            "seconds": float(self._window_seconds()),
+            "batches": int(self._w_batches),
+            "samples": None if self._w_samples is None else int(self._w_samples),
+            "tokens": None if tokens is None else int(tokens),
+            "model_flops": int(self._w_model_flops),
+            "hardware_flops": int(self._w_hw_flops),
+            "flops_known": bool(self._w_flops_known),
+        }
+        return {"totals": dict(self._totals), "window": window, "start_step": int(self._start_step)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._totals = {"flops_known": True, **state_dict["totals"]}
+        # Applied in on_train_start; a checkpoint from before the open window was saved has only "totals".
+        self._restored = {k: state_dict[k] for k in ("window", "start_step") if k in state_dict}
+
+
+def _fresh_totals() -> dict[str, Any]:
+    return {"seconds": 0.0, "samples": 0, "tokens": 0, "model_flops": 0, "hardware_flops": 0, "flops_known": True}

@@ -440,3 +440,159 @@ def test_foreign_module_on_gpu_is_counted_on_a_meta_copy():
     assert s["peak_tflops"] is not None, "the CUDA device should be in the peak table"
     assert 0.0 < s["mfu"] < 1.0
     assert s["tokens"] == sum(int(b["attention_mask"].sum()) for b in padded_batches(8)[1:])
+
+
+# --- validation is not training time ------------------------------------------------------------------------------
+
+
+class ValClock(StepClock):
+    """``dt`` seconds per training micro-batch and ``val_dt`` per validation batch (sanity check included)."""
+
+    def __init__(self, dt: float = 1.0, val_dt: float = 10.0) -> None:
+        super().__init__(dt)
+        self.val_dt = val_dt
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
+        self.t += self.val_dt
+
+
+def test_validation_inside_a_window_pauses_its_clock():
+    clock = ValClock(dt=1.0, val_dt=10.0)
+    monitor = SpeedMonitor(log_every_n_steps=4, peak_tflops=1e-6, warmup_steps=1, clock=clock)
+    logger = _fit(monitor, clock, max_steps=9, limit_val_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    # Sanity check (10 s), validation after steps 3 and 6 (20 s each, inside the windows 2-4 and 5-8) and after
+    # step 9 are left out: windows of 3, 4 and 1 training seconds at 64 tokens per second.
+    assert clock.t == 9 * 1.0 + 10.0 + 3 * 20.0  # the validations did run and take time
+    assert logger.values("throughput/tokens_per_s") == [64.0, 64.0, 64.0]
+    flops = transformer_flops(TINY, 16, 4).train
+    assert logger.values("throughput/mfu") == [flops / 1e6] * 3
+    s = monitor.summary()["throughput"]
+    assert (s["seconds"], s["tokens"], s["tokens_per_s"], s["samples_per_s"]) == (8.0, 8 * 64, 64.0, 4.0)
+    assert s["mfu"] == flops / 1e6
+
+
+def test_epoch_end_validation_across_a_window_boundary_is_left_out():
+    clock = ValClock(dt=1.0, val_dt=10.0)
+    monitor = SpeedMonitor(log_every_n_steps=2, peak_tflops=1e-6, warmup_steps=0, clock=clock)
+    logger = _fit(monitor, clock, max_steps=6, limit_train_batches=3, limit_val_batches=2, max_epochs=-1)
+    # Epochs of 3 batches: the window of steps 3-4 spans epoch 0's end-of-epoch validation (20 s).
+    assert clock.t == 6 * 1.0 + 2 * 20.0
+    assert logger.values("throughput/tokens_per_s") == [64.0, 64.0, 64.0]
+    s = monitor.summary()["throughput"]
+    assert (s["seconds"], s["tokens"]) == (6.0, 6 * 64)
+
+
+# --- a second fit, and a resumed one ------------------------------------------------------------------------------
+
+
+def test_a_second_fit_with_the_same_monitor_is_measured_afresh():
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(peak_tflops=1e-6, warmup_steps=1, clock=clock)
+    _fit(monitor, clock, max_steps=4)
+    s = monitor.summary()["throughput"]
+    assert (s["seconds"], s["tokens"], s["samples"]) == (3.0, 3 * 64, 3 * 4)  # steps 2-4
+
+    trainer = tiny_trainer([clock, monitor], max_steps=4)  # a new Trainer
+    trainer.fit(tiny_module(), tiny_data(batch_size=4, seq_len=16))
+    s = monitor.summary()["throughput"]
+    assert (s["seconds"], s["tokens"], s["samples"]) == (3.0, 3 * 64, 3 * 4)
+
+    # The same Trainer, fitted again to a higher max_steps: steps 5-8, step 5 its warm-up.
+    trainer.fit_loop.epoch_loop.max_steps = 8  # FitLoop.max_steps reads it
+    trainer.fit(tiny_module(), tiny_data(batch_size=4, seq_len=16))
+    assert trainer.global_step == 8
+    s = monitor.summary()["throughput"]
+    assert (s["seconds"], s["tokens"], s["samples"]) == (3.0, 3 * 64, 3 * 4)
+
+
+class _StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize(
+    ("warmup_steps", "ckpt_step", "accumulate"),
+    [
+        # After the warm-up (step 1): a closed window (step 2) and an open one (step 3, two micro-batches) are saved.
+        (1, 3, 2),
+        (3, 2, 1),  # inside the warm-up (steps 1-3): the resumed fit drops step 3 only
+    ],
+)
+def test_a_resumed_fit_reports_what_an_uninterrupted_one_does(tmp_path, warmup_steps, ckpt_step, accumulate):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(stop=None, ckpt_path=None):
+        clock = StepClock(dt=1.0)
+        monitor = SpeedMonitor(log_every_n_steps=2, peak_tflops=1e-6, warmup_steps=warmup_steps, clock=clock)
+        extra = []
+        if stop is not None:
+            extra = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=stop, save_top_k=-1), _StopAt(stop)]
+        logger = ListLogger()
+        trainer = tiny_trainer(
+            [clock, monitor, *extra],
+            max_steps=7,
+            logger=logger,
+            accumulate_grad_batches=accumulate,
+            enable_checkpointing=stop is not None,
+        )
+        trainer.fit(tiny_module(), tiny_data(batch_size=4, seq_len=16), ckpt_path=ckpt_path)
+        return monitor.summary()["throughput"], logger.values("throughput/tokens_per_s")
+
+    whole, whole_logged = run()
+    micro = (7 - warmup_steps) * accumulate
+    assert (whole["seconds"], whole["tokens"], whole["samples"]) == (float(micro), micro * 64, micro * 4)
+    run(stop=ckpt_step)
+    (ckpt,) = tmp_path.glob(f"*step={ckpt_step}.ckpt")
+    resumed, resumed_logged = run(ckpt_path=str(ckpt))
+    keys = ("seconds", "tokens", "samples", "tokens_per_s", "tflops_per_s", "mfu")
+    assert {k: resumed[k] for k in keys} == {k: whole[k] for k in keys}
+    # The windows the resumed fit closes are the uninterrupted fit's last ones, the carried window included.
+    assert resumed_logged == whole_logged[len(whole_logged) - len(resumed_logged) :]
+    assert len(resumed_logged) == 3  # windows closing at steps 4, 6 and 7 (max_steps)
+
+
+def test_the_state_is_plain_data_with_a_device_token_counter(tmp_path):
+    import io
+
+    class Grab(pl.Callback):
+        state = None
+
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                Grab.state = monitor.state_dict()
+
+    batches = padded_batches(4)
+    clock = StepClock(dt=1.0)
+    monitor = SpeedMonitor(log_every_n_steps=2, warmup_steps=1, clock=clock)
+    tiny_trainer([clock, monitor, Grab()], max_steps=4).fit(DictClassifier(), loader(batches))
+    buf = io.BytesIO()
+    torch.save(Grab.state, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert state == Grab.state
+    real = [int(b["attention_mask"].sum()) for b in batches]
+    # Step 1 warm-up, window of step 2 closed, step 3 (batch 2) open at save time: its mask sum, an int.
+    assert state["totals"]["tokens"] == real[1]
+    assert state["window"]["tokens"] == real[2]
+    assert type(state["window"]["tokens"]) is int
+    assert (state["window"]["seconds"], state["window"]["batches"], state["window"]["samples"]) == (1.0, 1, 4)
+    assert state["window"]["flops_known"] is True
+    assert state["window"]["model_flops"] > 0
+    assert state["start_step"] == 0
+    loaded = SpeedMonitor()
+    loaded.load_state_dict(state)
+    assert loaded.state_dict() == state  # saved again before any fit applies it: nothing is lost
+
+
+@RunIf(min_cuda_gpus=1)
+def test_validation_pause_on_gpu():
+    # The CUDA path synchronises at validation start and end; the fake clock keeps the figures exact.
+    clock = ValClock(dt=1.0, val_dt=10.0)
+    monitor = SpeedMonitor(log_every_n_steps=4, peak_tflops=1e-6, warmup_steps=1, clock=clock)
+    logger = _fit(monitor, clock, max_steps=9, limit_val_batches=2, val_check_interval=3, accelerator="gpu")
+    assert logger.values("throughput/tokens_per_s") == [64.0, 64.0, 64.0]
+    assert monitor.summary()["throughput"]["seconds"] == 8.0
