@@ -157,3 +157,18 @@ def test_metrics_report_the_batch_a_micro_batch_finder_chose(tmp_path):
     assert metrics["accumulate_grad_batches"] == 4
     assert metrics["global_batch_size"] == 8
     assert metrics["tokens_seen"] == 2 * 8 * 32 == metrics["tokens_this_run"]
+
+
+def test_resume_with_ckpt_path_last_keeps_the_first_runs_logs(tmp_path):
+    # A resume in the same run directory used to reuse the CSV logger's one version folder, and Lightning deleted the
+    # first run's metrics.csv. Each invocation now logs into its own version_N folder.
+    common = [*TINY, "data=synthetic", "callbacks=[model_checkpoint]", "logger=csv", "trainer.val_check_interval=3"]
+    train(compose_config([*common, "trainer.max_steps=3"], tmp_path))
+    first = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text()
+    metrics = train(compose_config([*common, "trainer.max_steps=6", "ckpt_path=last"], tmp_path))
+    assert metrics["global_step"] == 6
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").read_text() == first
+    resumed = (tmp_path / "logs" / "version_1" / "metrics.csv").read_text().splitlines()
+    header = resumed[0].split(",")
+    steps = {int(row.split(",")[header.index("step")]) for row in resumed[1:]}
+    assert min(steps) >= 3  # the resumed run's own rows
