@@ -147,11 +147,12 @@ def _check_train_batch_size(config: dict[str, Any], trainer: dict[Any, Any]) -> 
 
 
 def preset_name(strategy: Strategy | str) -> str:
-    """The preset a strategy was built from (``ddp``, ``zero3``, ...), or its registry/class name."""
+    """The preset a strategy was built from (``ddp``, ``zero3``, ...), or its lower-case class name without
+    ``Strategy`` (``singledevice`` for Lightning's ``SingleDeviceStrategy``), as metrics.json documents it."""
     if isinstance(strategy, str):
         return strategy
     name = getattr(strategy, "trainopt_preset", None) or getattr(strategy, "preset", None)
-    return str(name) if name else type(strategy).__name__
+    return str(name) if name else type(strategy).__name__.removesuffix("Strategy").lower()
 
 
 def strategy_info(trainer: Any) -> dict[str, Any]:

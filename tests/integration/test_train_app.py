@@ -56,6 +56,7 @@ def test_fit_per_precision_writes_metrics(tmp_path, precision):
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     check_schema(on_disk)
     assert on_disk["precision"] == precision
+    assert on_disk["strategy"] == "singledevice"  # as README documents it, not Lightning's class name
     assert on_disk["global_step"] == 5
     assert on_disk["tokens_seen"] == 5 * 4 * 32
     assert on_disk["zero_stage"] is None

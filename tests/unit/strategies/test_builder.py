@@ -152,3 +152,9 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
     node = OmegaConf.load(Path(__file__).resolve().parents[3] / "conf" / "strategy" / "zero3.yaml")
     with pytest.raises(MissingDependencyError, match=r"lightning_trainopt\[deepspeed\]"):
         build_strategy(node, PrecisionSpec(name="fp32", trainer_precision="32-true"), None, micro_batch_size=4)
+
+
+def test_a_strategy_without_a_preset_is_named_as_metrics_json_documents():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    assert preset_name(SingleDeviceStrategy(device="cpu")) == "singledevice"
