@@ -73,14 +73,164 @@ def _section(value: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _pct(value: Any) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _join(*parts: str | None) -> str:
+    return " · ".join(p for p in parts if p)
+
+
+def _memory(m: dict[str, Any]) -> str:
+    def states(name: str, label: str) -> str:
+        v = m.get(name)
+        if not isinstance(v, dict):
+            return f"{label} {_fmt('bytes', v)}" if v is not None else ""
+        away = [f"{format_bytes(v[k])} {k}" for k in ("cpu", "nvme") if v.get(k)]
+        return f"{label} {format_bytes(v.get('device') or 0)}" + (f" (+{', '.join(away)})" if away else "")
+
+    copies = m.get("activations_weight_copies")
+    acts = f"activations {_fmt('bytes', m.get('activations'))}" + (
+        f" (weight copies {format_bytes(copies)})" if copies else ""
+    )
+    peak = m.get("peak_memory_bytes")
+    return _join(
+        states("params", "params"),
+        states("grads", "grads"),
+        states("optimizer_states", "optimizer"),
+        acts,
+        f"other {format_bytes(m['other'])}" if m.get("other") is not None else None,
+        f"peak {format_bytes(peak)}" if peak is not None else None,
+        f"at step {m['step']}" if "step" in m else None,
+    )
+
+
+def _step_time(t: dict[str, Any]) -> str:
+    split = [
+        (label, t.get(key))
+        for key, label in (
+            ("data_wait_frac", "data"),
+            ("h2d_frac", "h2d"),
+            ("forward_frac", "fwd"),
+            ("backward_frac", "bwd"),
+            ("optimizer_frac", "optim"),
+            ("comm_frac", "comm"),
+            ("other_frac", "other"),
+        )
+        if t.get(key) is not None
+    ]
+    verdict = t.get("verdict")
+    head = f"{verdict} ({t['reason']})" if verdict and t.get("reason") else verdict
+    step = f"{t['step_s']:.3g} s/step" if t.get("step_s") else None
+    return _join(head, " ".join(f"{label} {_pct(v)}" for label, v in split) or None, step)
+
+
+def _throughput(t: dict[str, Any]) -> str:
+    per, total = t.get("tokens_per_s"), t.get("tokens_per_s_total")
+    tokens = f"{_fmt('', per)} tokens/s per device" + (f" ({_fmt('', total)} all)" if total not in (None, per) else "")
+    mfu = (
+        f"MFU {_pct(t.get('mfu'))} · HFU {_pct(t.get('hfu'))}"
+        if t.get("mfu") is not None
+        else f"MFU - (no peak for {t.get('dtype')} on {t.get('hardware')})"
+    )
+    return _join(
+        tokens if per is not None else None,
+        f"{t['tflops_per_s']:.3g} TFLOP/s" if t.get("tflops_per_s") is not None else None,
+        mfu,
+        "warm-up excluded",
+        t.get("flops_note"),
+    )
+
+
+def _cost(c: dict[str, Any]) -> str:
+    def dollars(v: Any) -> str | None:
+        return None if v is None else f"${v:,.2f}"
+
+    spent = dollars(c.get("dollars"))
+    left = c.get("projected_seconds_left")
+    return _join(
+        f"{spent} spent" if spent else "no price (set hardware.price_per_device_hour)",
+        f"{_fmt('', c.get('device_hours'))} device-hours" if c.get("device_hours") is not None else None,
+        f"{dollars(c['dollars_per_1b_tokens'])}/1B tokens" if c.get("dollars_per_1b_tokens") is not None else None,
+        f"projected {dollars(c['projected_total_dollars'])}" if c.get("projected_total_dollars") is not None else None,
+        f"{left / 3600:.2f} h left" if left else None,
+        f"{dollars(c['dollars_lost_idle'])} idle" if c.get("dollars_lost_idle") else None,
+    )
+
+
+def _gpu(g: dict[str, Any]) -> str:
+    if not g.get("enabled"):
+        return "off (no NVML/GPU)"
+    return _join(
+        f"utilisation {g['util_pct_mean']:.0f}%" if g.get("util_pct_mean") is not None else None,
+        "below target" if g.get("low_util_warning") else None,
+    )
+
+
+def _snapshot(s: dict[str, Any]) -> str:
+    if not s.get("enabled"):
+        return "off (CUDA only)"
+    files = s.get("files") or []
+    return _join(
+        f"{len(files)} file(s): {', '.join(map(str, files[:2]))}" if files else "no file yet", s.get("oom") and "OOM"
+    )
+
+
+def _checkpointing(a: dict[str, Any]) -> str:
+    own = a.get("self_checkpointed")
+    if own:
+        return f"left to the model (it checkpoints itself: {', '.join(own[:2])})"
+    return f"{a.get('wrapped')} of {a.get('candidates')} modules (every {a.get('every_k')})"
+
+
+def _non_finite(n: dict[str, Any]) -> str:
+    norm = n.get("last_grad_norm")
+    return _join(
+        f"skipped {n.get('skipped_steps', 0)}",
+        f"fp16 overflows {n['overflow_steps']}" if n.get("overflow_steps") else None,
+        f"last grad norm {norm:.3g}" if isinstance(norm, (int, float)) else None,
+    )
+
+
+# Sections the project's callbacks add, each shown as one curated line (label, formatter); anything else a
+# callback adds is shown generically. Every figure stays in metrics.json.
+_SECTIONS: dict[str, tuple[str, Any]] = {
+    "throughput": ("throughput", _throughput),
+    "step_time": ("step time", _step_time),
+    "memory_breakdown": ("memory per rank", _memory),
+    "cost": ("cost", _cost),
+    "gpu": ("GPU", _gpu),
+    "memory_snapshot": ("memory snapshot", _snapshot),
+    "activation_checkpointing": ("checkpointing", _checkpointing),
+    "non_finite": ("non-finite guard", _non_finite),
+}
+_HIDDEN = {
+    "trainer_precision",
+    "tokens_this_run",
+    "train_seconds",
+    "devices",
+    "accelerator",
+    "peak_memory_bytes",  # inside the memory line
+}
+
+
 def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
-    """(label, value) rows: the headline figures, then one row per section that a callback added."""
+    """(label, value) rows: the headline figures, then one row per section that a callback added.
+
+    The project's own sections get one curated line each (the figures a person acts on); other sections show
+    their scalar figures. ``None`` top-level figures are left out; metrics.json keeps everything.
+    """
     rows = [(label, _fmt(key, metrics[key])) for key, label in _HEADLINE if key in metrics]
-    shown = {key for key, _ in _HEADLINE} | {"trainer_precision", "tokens_this_run", "train_seconds", "devices"}
+    shown = {key for key, _ in _HEADLINE} | _HIDDEN
     for key, value in metrics.items():
-        if key in shown or isinstance(value, list):
+        if key in shown or isinstance(value, list) or value is None:
             continue
-        if isinstance(value, dict):
+        if isinstance(value, dict) and key in _SECTIONS:
+            label, formatter = _SECTIONS[key]
+            cell = formatter(value)
+            if cell:
+                rows.append((label, cell))
+        elif isinstance(value, dict):
             cell = _section(value)
             if cell:
                 rows.append((key, cell))

@@ -25,9 +25,87 @@ def test_rows_headline_first_then_callback_sections():
     assert rows["tokens/s (all ranks)"] == "10,512.2"
     assert "devices" not in rows
     assert rows["optimizer"] == "name DeepSpeedCPUAdam, lr 6e-05"  # not rounded to 0.0001
-    assert rows["memory_breakdown"] == "params.device 3.00 MiB, params.cpu 0 B, activations 1.00 MiB"
-    # Lists stay in metrics.json; float residue prints as 0, not 1.11e-16.
-    assert rows["step_time"] == "verdict communication-bound, comm_frac 0.5512, other_frac 0"
+    # Curated lines: offload parts only when there are any; fractions as percentages; lists stay in metrics.json.
+    assert rows["memory per rank"] == "params 3.00 MiB · activations 1.00 MiB"
+    assert rows["step time"] == "communication-bound · comm 55% other 0%"
+
+
+FULL = {
+    "status": "ok",
+    "model": "gpt_1b",
+    "global_step": 100,
+    "micro_batch_size": 8,
+    "offload": {"optimizer": "cpu", "param": "none"},
+    "peak_memory_bytes": 40 * 2**30,
+    "memory_breakdown": {
+        "params": {"device": 2 * 2**30, "cpu": 0, "nvme": 0},
+        "grads": {"device": 2 * 2**30, "cpu": 0, "nvme": 0},
+        "optimizer_states": {"device": 0, "cpu": 12 * 2**30, "nvme": 0},
+        "activations": 20 * 2**30,
+        "activations_weight_copies": 2**30,
+        "other": 4 * 2**30,
+        "peak_memory_bytes": 40 * 2**30,
+        "source": "CUDA allocator peak + tensor accounting",
+        "step": 1,
+    },
+    "activation_checkpointing": {"wrapped": 12, "candidates": 24, "every_k": 2, "recomputed_fraction": 0.48},
+    "step_time": {
+        "data_wait_frac": 0.4,
+        "h2d_frac": 0.01,
+        "forward_frac": 0.19,
+        "backward_frac": 0.3,
+        "optimizer_frac": 0.1,
+        "other_frac": 0.0,
+        "step_s": 0.5,
+        "verdict": "input-bound",
+        "reason": "40% of wall time waiting for data",
+        "remedies": ["raise data.num_workers"],
+    },
+    "throughput": {
+        "tokens_per_s": 9000.0,
+        "tokens_per_s_total": 36000.0,
+        "tflops_per_s": 120.0,
+        "mfu": 0.385,
+        "hfu": 0.45,
+        "dtype": "bf16",
+        "hardware": "h100",
+        "flops_fit": {"per_token": 1.0},
+    },
+    "cost": {
+        "dollars": 12.5,
+        "device_hours": 1.5,
+        "dollars_per_1b_tokens": 96.4,
+        "projected_total_dollars": 250.0,
+        "projected_seconds_left": 7200.0,
+        "dollars_lost_idle": 5.0,
+    },
+    "gpu": {"enabled": True, "util_pct_mean": 61.0, "low_util_warning": True, "means": {"0": {"util": 61}}},
+    "memory_snapshot": {"enabled": True, "files": [], "oom": None},
+    "non_finite": {"skipped_steps": 1, "overflow_steps": 0, "last_grad_norm": 0.91},
+}
+
+
+def test_every_section_is_one_curated_line_and_the_table_fits_a_screen():
+    rows = dict(summary_rows(FULL))
+    assert rows["memory per rank"] == (
+        "params 2.00 GiB · grads 2.00 GiB · optimizer 0 B (+12.00 GiB cpu) · activations 20.00 GiB "
+        "(weight copies 1.00 GiB) · other 4.00 GiB · peak 40.00 GiB · at step 1"
+    )
+    assert rows["throughput"] == (
+        "9,000.0 tokens/s per device (36,000.0 all) · 120 TFLOP/s · MFU 38% · HFU 45% · warm-up excluded"
+    )
+    assert rows["step time"].startswith("input-bound (40% of wall time waiting for data) · data 40% h2d 1%")
+    assert (
+        rows["cost"]
+        == "$12.50 spent · 1.5000 device-hours · $96.40/1B tokens · projected $250.00 · 2.00 h left · $5.00 idle"
+    )
+    assert rows["GPU"] == "utilisation 61% · below target"
+    assert rows["checkpointing"] == "12 of 24 modules (every 2)"
+    assert rows["non-finite guard"] == "skipped 1 · last grad norm 0.91"
+    assert "peak_memory_bytes" not in rows  # shown inside the memory line
+    console = Console(record=True, width=100)
+    print_summary(FULL, None, console=console)
+    assert len(console.export_text().splitlines()) <= 30
 
 
 def test_print_summary_renders_a_table(tmp_path):
