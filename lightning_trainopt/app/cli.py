@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from lightning_trainopt.app.multirun import apply_child_command
 from lightning_trainopt.exceptions import TrainOptError
 
-__all__ = ["CONFIG_DIR", "plan_main", "run_hydra", "train_main"]
+__all__ = ["CONFIG_DIR", "plan_main", "run_hydra", "train_main", "user_error"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -41,12 +42,36 @@ def _refuse(err: TrainOptError) -> None:
     (run_dir / "metrics.json").write_text(json.dumps({"status": "refused", "error": str(err)}, indent=2))
 
 
+def user_error(err: BaseException) -> TrainOptError | None:
+    """The :class:`TrainOptError` behind ``err``: itself, or the one a wrapper was raised from.
+
+    Hydra's ``instantiate`` re-raises what a ``_target_``'s ``__init__`` raises as an ``InstantiationException``
+    (``raise ... from e``), once per level of nesting, so the user error is found on the ``__cause__`` chain
+    (``__context__`` where a wrapper did not say ``from``).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TrainOptError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
     def run(cfg: DictConfig) -> None:
         try:
             task(cfg)
         except TrainOptError as err:
             _refuse(err)
+        except InstantiationException as err:
+            # A bad argument refused in a callback's or data module's __init__ is the same user error as one
+            # refused by validate_config; anything else Hydra wraps (an import error, a bug) keeps its traceback.
+            cause = user_error(err)
+            if cause is None:
+                raise
+            _refuse(cause)
 
     return run
 

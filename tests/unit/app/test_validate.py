@@ -51,3 +51,123 @@ def test_text_file_path_is_checked(tmp_path, path_kind):
         instantiate(cfg.data).check_source()
     assert err.value.key == "data.path"
     assert str(target) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix_words"),
+    [
+        # Caught only inside fit before: configure_optimizers, torch's optimizer, Lightning's fit loop.
+        ("scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio", "between 0 and 1"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay", "number >= 0"),
+        ("optimizer.betas=[0.9]", "optimizer.betas", "two numbers in [0, 1)"),
+        ("optimizer.betas=[0.9, 1.0]", "optimizer.betas", "two numbers in [0, 1)"),
+        ("optimizer.eps=-1.0", "optimizer.eps", ">= 0"),
+        ("trainer.val_check_interval=0", "trainer.val_check_interval", "positive number of training batches"),
+        ("trainer.val_check_interval=1.5", "trainer.val_check_interval", "fraction of an epoch in (0, 1]"),
+        ("trainer.val_check_interval=0.5", "trainer.val_check_interval", "trainer.check_val_every_n_epoch=1"),
+        ("trainer.val_check_interval=often", "trainer.val_check_interval", "'DD:HH:MM:SS'"),
+        # Typos that crashed validate_config or a later step with a TypeError / ValueError.
+        ("trainer.gradient_clip_val=abc", "trainer.gradient_clip_val", "positive norm"),
+        ("seed=abc", "seed", "integer from 0 to 4294967295"),
+        ("seed=-1", "seed", "integer from 0 to 4294967295"),
+        ("hardware.price_per_device_hour=abc", "hardware.price_per_device_hour", "give a number; use dollars"),
+        ("hardware.price_per_device_hour=-2.0", "hardware.price_per_device_hour", "number >= 0"),
+        ("hardware.memory_gb=abc", "hardware.memory_gb", "positive size in GiB"),
+        ("model.max_seq_len=abc", "model.max_seq_len", "positive number of tokens"),
+        ("data.val_fraction=abc", "data.val_fraction", "fraction between 0 and 1"),
+        # Accepted as truthy before.
+        ("compile=maybe", "compile", "true or false"),
+        ("+continue_on_oom=maybe", "continue_on_oom", "true or false"),
+        # Blamed the wrong key, or advised a value that is refused itself.
+        ("data.max_bytes=0", "data.max_bytes", "positive number of bytes"),
+        ("optimizer.lr='3e-4'", "optimizer.lr", "give a number, not a string"),
+    ],
+)
+def test_more_bad_values_are_refused_before_fit(tmp_path, override, key, fix_words):
+    cfg = compose_config([override, "trainer.accelerator=cpu"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == key
+    assert override.split("=", 1)[1] in str(err.value)
+    assert fix_words in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fix_words"),
+    [
+        ("precision", "16-mixed", "precision=bf16"),
+        ("strategy", "ddp", "+strategy=zero2"),
+        ("callbacks", "[]", "callbacks=default"),
+        ("logger", "false", "logger=csv"),
+        ("plugins", "[]", "precision group"),
+        ("default_root_dir", "/tmp/elsewhere", "hydra.run.dir"),
+    ],
+)
+def test_trainer_arguments_the_app_sets_are_refused_naming_the_group(tmp_path, name, value, fix_words):
+    cfg = compose_config([f"+trainer.{name}={value}", "trainer.accelerator=cpu"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == f"trainer.{name}"
+    assert "train.py sets this Trainer argument" in str(err.value)
+    assert fix_words in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.val_check_interval=0.5", "trainer.check_val_every_n_epoch=1"],
+        ["trainer.val_check_interval=00:00:01:00"],
+        ["trainer.val_check_interval=null"],
+        ["optimizer.betas=[0.0,0.999]", "optimizer.weight_decay=0", "trainer.gradient_clip_val=null"],
+        ["seed=0", "compile=true", "+continue_on_oom=false"],
+        ["hardware.price_per_device_hour=2.5", "hardware.memory_gb=80", "+hardware.peak_tflops={bf16: 800}"],
+        ["data.max_bytes=1000", "optimizer=lion8bit", "scheduler.min_lr_ratio=1.0"],
+    ],
+)
+def test_good_variants_pass(tmp_path, overrides):
+    validate_config(compose_config([*overrides, "trainer.accelerator=cpu"], tmp_path))
+
+
+@pytest.mark.parametrize("ratio", [2, -0.5, "0.1"])
+def test_the_schedule_and_the_validator_refuse_the_same_min_lr_ratio(tmp_path, ratio):
+    import torch
+
+    from lightning_trainopt.models.lit_gpt import warmup_cosine
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError) as from_schedule:
+        warmup_cosine(optimizer, warmup_steps=1, total_steps=300, min_lr_ratio=ratio)
+    value = f"'{ratio}'" if isinstance(ratio, str) else ratio
+    cfg = compose_config([f"scheduler.min_lr_ratio={value}", "trainer.accelerator=cpu"], tmp_path)
+    with pytest.raises(ConfigError) as from_validate:
+        validate_config(cfg)
+    assert str(from_validate.value) == str(from_schedule.value)
+
+
+def test_gpu_accelerator_without_cuda_advises_cpu_not_zero_devices(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = compose_config(["trainer.accelerator=gpu"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == "trainer.accelerator"
+    assert "trainer.accelerator=cpu" in str(err.value)
+    assert "devices<=0" not in str(err.value)
+
+
+def test_text_file_without_path_names_data_path(tmp_path):
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    cfg = compose_config(["data=text_file", "trainer.accelerator=cpu"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == "data.path"
+    assert "data.path=/path/to/file_or_folder" in str(err.value)
+    # The data module says the same when built (no MissingMandatoryValue from a `???` in the preset); Hydra wraps
+    # it, and the CLI unwraps it (tests/unit/app/test_cli.py).
+    with pytest.raises(InstantiationException) as from_module:
+        instantiate(cfg.data)
+    assert isinstance(from_module.value.__cause__, ConfigError)
+    assert from_module.value.__cause__.key == "data.path"
