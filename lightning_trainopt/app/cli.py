@@ -5,17 +5,23 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import hydra
+
+# Imported before Hydra configures logging: `lightning` gives its logger a console handler when first imported, and
+# conf/hydra/default.yaml then routes that logger to Hydra's handlers. Imported later (inside the task), the handler
+# would be added after Hydra's set-up and every Lightning line would print twice.
+import lightning.pytorch  # noqa: F401
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from lightning_trainopt.app.multirun import apply_child_command
 from lightning_trainopt.exceptions import TrainOptError
 
-__all__ = ["CONFIG_DIR", "plan_main", "run_hydra", "train_main", "user_error"]
+__all__ = ["CONFIG_DIR", "keep_earlier_hydra_record", "plan_main", "run_hydra", "train_main", "user_error"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -88,9 +94,27 @@ def _plan_task(cfg: DictConfig) -> None:
     plan_task(cfg)
 
 
+def keep_earlier_hydra_record(argv: list[str], now: datetime | None = None) -> list[str]:
+    """``argv`` plus ``hydra.output_subdir=.hydra/<time>`` when it names an existing run directory.
+
+    Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` into the run directory before the task runs, so resuming
+    a run (``hydra.run.dir=<run> ckpt_path=last``) or a refused command aimed at it would replace the record of how
+    its checkpoints were trained. Each later invocation gets its own subfolder instead. Sweeps (``-m``) and
+    commands that set ``hydra.output_subdir`` themselves (Lightning's DDP child processes) are left as they are.
+    """
+    if any(a in ("-m", "--multirun") or a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
+        return argv
+    run_dirs = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
+    if not run_dirs or not (Path(run_dirs[-1]) / ".hydra" / "config.yaml").is_file():
+        return argv
+    stamp = (now or datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
+    return [*argv, f"hydra.output_subdir=.hydra/{stamp}"]
+
+
 def run_hydra(task: Callable[[DictConfig], Any], config_name: str) -> None:
     """Run ``task`` under ``@hydra.main`` with this repository's ``conf/`` tree; user errors are reported plainly."""
     apply_child_command()
+    sys.argv = keep_earlier_hydra_record(sys.argv)
     hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
 
 

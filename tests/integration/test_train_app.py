@@ -97,11 +97,17 @@ def test_unknown_options_list_the_choices_without_traceback():
     ],
 )
 def test_bad_input_exits_with_one_clear_line(tmp_path, args, key):
+    # Aimed at an existing run: its record of how it was trained (.hydra/) must survive the refused command.
+    record = tmp_path / "run" / ".hydra" / "config.yaml"
+    record.parent.mkdir(parents=True)
+    record.write_text("the original run's config\n")
     proc = run_cli(*args, f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error: {key}=")
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
+    assert record.read_text() == "the original run's config\n"
+    assert len(list(record.parent.glob("*/config.yaml"))) == 1  # this invocation's record, in its own subfolder
 
 
 @RunIf(min_cuda_gpus=1)
@@ -135,6 +141,8 @@ def test_documented_zero3_command_runs_stage_3(tmp_path):
         f"hydra.run.dir={tmp_path}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Lightning's own console handler and Hydra's both printed each Lightning line: once now.
+    assert (proc.stdout + proc.stderr).count("`Trainer.fit` stopped: `max_steps=3` reached.") == 1
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     check_schema(metrics)
     assert metrics["strategy"] == "zero3"

@@ -95,3 +95,18 @@ def test_sweep_goes_on_past_refused_jobs_and_writes_its_summary(tmp_path):
         assert json.loads((sweep / job / "metrics.json").read_text())["status"] == "refused"
     rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
     assert [row["status"] for row in rows] == ["refused", "refused"]
+
+
+def test_an_existing_run_directory_keeps_its_hydra_record(tmp_path):
+    from datetime import datetime
+
+    when = datetime(2026, 11, 30, 18, 5, 9)
+    argv = ["train.py", f"hydra.run.dir={tmp_path}", "ckpt_path=last"]
+    assert cli.keep_earlier_hydra_record(argv, when) == argv  # a new directory: Hydra's own .hydra/
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("x")
+    assert cli.keep_earlier_hydra_record(argv, when) == [*argv, "hydra.output_subdir=.hydra/2026-11-30_18-05-09"]
+    # Sweeps, and Lightning's DDP children (they set hydra.output_subdir themselves), are left alone.
+    assert cli.keep_earlier_hydra_record(["train.py", "-m", *argv[1:]], when) == ["train.py", "-m", *argv[1:]]
+    child = [*argv, "hydra.output_subdir=null"]
+    assert cli.keep_earlier_hydra_record(child, when) == child
