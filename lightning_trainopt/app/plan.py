@@ -15,29 +15,37 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.app.plan_inputs import (
-    activation_policy,
+    NO_STRATEGY,
     build_plan_inputs,
     check_compatible,
+    deepspeed_user_config,
     hardware_from_cfg,
+    json_accumulation,
     load_preset,
-    optimizer_from_cfg,
+    search_space_from_cfg,
     strategy_layout,
+    validate_like_train,
 )
+from lightning_trainopt.app.plan_report import plan_choices, train_command
 from lightning_trainopt.core.estimate import (
+    LOCATIONS,
     Candidate,
     PlanEstimate,
     PlanInputs,
-    SearchSpace,
+    StrategyLayout,
     estimate_plan,
     search_plans,
     textbook_model_state_bytes,
 )
+from lightning_trainopt.core.estimate.search import simplicity
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["PlanResult", "plan", "plan_task"]
 
 _DEFAULT_CONF = Path(__file__).resolve().parents[2] / "conf"
+# The `plan` node's defaults (conf/plan.yaml), also used when plan(cfg) is called on a config without that node.
+_DEFAULTS = {"mfu": 0.4, "target_tokens": 1e9, "headroom_fraction": 0.05, "top_k": 10}
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,9 @@ class PlanResult:
         candidates: with ``plan.search=true``, the fitting configurations ranked best first.
         n_enumerated: with ``plan.search=true``, how many configurations were estimated.
         textbook: the design articles' 16 B/param accounting of the same model, for comparison.
+        top_k: rows of the search ranking to show (``plan.top_k``).
+        next_step: when the configuration does not fit, what to do instead (more devices or a sharded strategy
+            that fits, else ``plan.search=true``); empty when it fits or the device memory is unknown.
 
     Example::
 
@@ -66,6 +77,8 @@ class PlanResult:
     candidates: list[Candidate] = field(default_factory=list)
     n_enumerated: int = 0
     textbook: dict[str, dict[str, int]] = field(default_factory=dict)
+    top_k: int = 10
+    next_step: str = ""
 
     @property
     def winner(self) -> Candidate | None:
@@ -79,6 +92,7 @@ class PlanResult:
                 "hardware": self.hardware.name,
                 "choices": dict(self.choices),
                 "command": self.command,
+                "next_step": self.next_step or None,
                 "textbook_model_state_bytes": self.textbook,
             }
         )
@@ -94,10 +108,13 @@ class PlanResult:
                         "reason": c.reason,
                         **_estimate_dict(c.estimate),
                     }
-                    for c in self.candidates[:10]
+                    for c in self.candidates[: self.top_k]
                 ],
             }
         return out
+
+
+_STATE_CATEGORIES = ("params", "grads", "optimizer_states")
 
 
 def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
@@ -111,7 +128,16 @@ def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "peak_bytes": e.peak_device_bytes,
         "cpu_bytes": mem.bytes(location="cpu"),
         "nvme_bytes": mem.bytes(location="nvme"),
-        "memory_breakdown": {c: mem.by_location(c) for c in ("params", "grads", "optimizer_states")},
+        # Resident bytes, as metrics.json's memory_breakdown snapshot (just before optimizer.step()) sees them.
+        "memory_breakdown": {
+            c: {loc: mem.bytes(c, loc, resident_only=True) for loc in LOCATIONS} for c in _STATE_CATEGORIES
+        },
+        # The same categories' bytes that exist only during backward or inside optimizer.step() (DeepSpeed's fp32
+        # gradient partition): counted in peak_bytes, absent from a snapshot.
+        "memory_transient": {
+            c: {loc: mem.bytes(c, loc) - mem.bytes(c, loc, resident_only=True) for loc in LOCATIONS}
+            for c in _STATE_CATEGORIES
+        },
         "device_memory_bytes": e.device_memory_bytes,
         "fits": e.fits,
         "headroom_bytes": e.headroom_bytes,
@@ -139,94 +165,8 @@ def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
     }
 
 
-def _choices(cfg: DictConfig) -> dict[str, str]:
-    """Preset names of the composed config (Hydra's runtime choices when running under ``@hydra.main``)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        runtime = dict(HydraConfig.get().runtime.choices)
-    except ValueError:
-        runtime = {}
-    plan_cfg = cfg.get("plan") or {}
-    given = dict(_plain(plan_cfg.get("choices")) or {})
-    out = {}
-    for group in ("model", "precision", "strategy", "activations", "optimizer", "hardware"):
-        name = given.get(group) or runtime.get(group)
-        if name is None and group in ("model", "precision", "strategy") and cfg.get(group) is not None:
-            name = cfg[group].get("name")
-        if name is not None and str(name) not in ("null", "None"):
-            out[group] = str(name)
-    return out
-
-
 def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-
-
-# Overrides the planner writes itself in the printed command, from the planned values.
-_PLANNED_KEYS = (
-    "trainer.devices",
-    "trainer.num_nodes",
-    "data.batch_size",
-    "data.seq_len",
-    "trainer.accumulate_grad_batches",
-)
-
-
-def _task_overrides(cfg: DictConfig) -> list[str]:
-    """The command-line overrides of this run: ``plan.overrides`` when an API caller gives them, else Hydra's."""
-    given = _plain((cfg.get("plan") or {}).get("overrides"))
-    if given:
-        return [str(o) for o in given]
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return [str(o) for o in HydraConfig.get().overrides.task]
-    except ValueError:
-        return []
-
-
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def _command(
-    cfg: DictConfig, choices: dict[str, str], inputs: PlanInputs, swapped: dict[str, str] | None = None
-) -> str:
-    """``python train.py`` + the user's overrides (so the same model, data and hardware compose) + the planned values.
-
-    Args:
-        cfg: the composed config.
-        choices: preset names of the planned configuration (a search winner's groups included).
-        inputs: the planned values (devices, micro-batch, sequence length, accumulation).
-        swapped: groups a search winner replaces (group -> new preset): the user's override of the group and of
-            its keys are dropped, the winner's preset is written instead.
-    """
-    swapped = swapped or {}
-    parts = ["python train.py"]
-    given = _task_overrides(cfg)
-    for o in given:
-        key = _override_key(o)
-        group = key.split(".", 1)[0]
-        if group in ("plan", "hydra") or key in _PLANNED_KEYS or group in swapped:
-            continue
-        parts.append(o)
-    present = {_override_key(o).split(".", 1)[0] for o in parts[1:] if "." not in _override_key(o)}
-    for group in ("model", "hardware", "precision", "activations", "optimizer"):
-        if group in choices and (group in swapped or group not in present):
-            parts.append(f"{group}={choices[group]}")
-    strategy_given = "strategy" in present and "strategy" not in swapped
-    if choices.get("strategy") and inputs.layout.kind != "single" and not strategy_given:
-        parts.append(f"+strategy={choices['strategy']}")
-    parts += [
-        f"trainer.devices={inputs.devices}",
-        f"data.batch_size={inputs.micro_batch}",
-        f"data.seq_len={inputs.seq_len}",
-        f"trainer.accumulate_grad_batches={inputs.accumulate}",
-    ]
-    if inputs.num_nodes > 1:
-        parts.append(f"trainer.num_nodes={inputs.num_nodes}")
-    return " ".join(parts)
 
 
 def _measured_tokens_per_sec(path: Any, inputs: PlanInputs, on_cuda: bool) -> float | None:
@@ -274,28 +214,6 @@ def _conf_dir(cfg: DictConfig) -> Path:
     return Path(str(given)) if given else _DEFAULT_CONF
 
 
-def _search_space(cfg: DictConfig, world_size: int) -> SearchSpace:
-    conf = _conf_dir(cfg)
-    space = _plain(cfg.plan.search_space)
-    precisions = {n: str(load_preset(conf, "precision", n).trainer_precision) for n in space["precision"]}
-    strategies = {}
-    for n in space["strategy"]:
-        if not (conf / "strategy" / f"{n}.yaml").is_file():
-            continue  # presets another group is still adding; the search covers the ones that exist
-        strategies[n] = strategy_layout(load_preset(conf, "strategy", n), world_size)
-    activations = {
-        n: activation_policy(load_preset(conf, "activations", n), n)
-        for n in space["activations"]
-        if (conf / "activations" / f"{n}.yaml").is_file()
-    }
-    optimizers = {
-        n: optimizer_from_cfg(load_preset(conf, "optimizer", n), n)
-        for n in space["optimizer"]
-        if (conf / "optimizer" / f"{n}.yaml").is_file()
-    }
-    return SearchSpace(precisions, strategies, activations, optimizers, tuple(int(b) for b in space["micro_batch"]))
-
-
 def _adam_path(cfg: DictConfig, on_cuda: bool) -> Callable[[PlanInputs], str]:
     """``inputs -> adam_path``: how torch Adam/AdamW runs its step in ``train.py`` (see ``model_states.ADAM_PATHS``).
 
@@ -329,7 +247,8 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
     conf = _conf_dir(cfg)
 
     def allowed(choices: dict[str, str], inputs: PlanInputs) -> bool:
-        strategy = load_preset(conf, "strategy", choices["strategy"]) if choices.get("strategy") else None
+        name = choices.get("strategy")
+        strategy = load_preset(conf, "strategy", name) if name and name != NO_STRATEGY else None
         target = str(load_preset(conf, "optimizer", choices["optimizer"]).get("_target_", ""))
         try:
             check_compatible(strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"))
@@ -340,26 +259,95 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
     return allowed
 
 
+def _plan_number(plan_cfg: Any, key: str) -> float:
+    """A numeric ``plan.<key>`` (default from ``conf/plan.yaml``); the range is checked where it is used."""
+    value = plan_cfg.get(key, _DEFAULTS[key])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"plan.{key}", value, f"use a number, e.g. plan.{key}={_DEFAULTS[key]}.")
+    return float(value)
+
+
+def _next_step(
+    cfg: DictConfig,
+    choices: dict[str, str],
+    inputs: PlanInputs,
+    run: Callable[[PlanInputs], PlanEstimate],
+    adam_path: Callable[[PlanInputs], str],
+    allowed: Callable[[dict[str, str], PlanInputs], bool],
+) -> str:
+    """What to run instead of a configuration that does not fit.
+
+    The fewest devices (1, 2, 4, 8 x the planned count: devices per node, or nodes when there are several) and then
+    the simplest strategy (the planned one first, then ``plan.search_space.strategy``) at which the same precision,
+    activations, optimizer and micro-batch fit, as a ``train.py`` command; else what else to change.
+    """
+    space = search_space_from_cfg((cfg.get("plan") or {}).get("search_space"), _conf_dir(cfg), inputs.world_size)
+    current = choices.get("strategy")
+    user_json = deepspeed_user_config(cfg.get("strategy"))
+    for factor in (1, 2, 4, 8):
+        devices = inputs.devices * (factor if inputs.num_nodes == 1 else 1)
+        nodes = inputs.num_nodes * (1 if inputs.num_nodes == 1 else factor)
+        world = devices * nodes
+        options: list[tuple[str | None, StrategyLayout]] = []
+        if factor > 1:
+            options.append((current, strategy_layout(cfg.get("strategy"), world)))
+        for preset in sorted(space.strategies, key=simplicity):
+            if preset != current and not (preset == NO_STRATEGY and world > 1):
+                node = None if preset == NO_STRATEGY else load_preset(_conf_dir(cfg), "strategy", preset)
+                options.append((preset, strategy_layout(node, world)))
+        for name, layout in options:
+            accumulate = inputs.accumulate
+            if name == current and user_json is not None:
+                try:  # a JSON train_batch_size fixes the global batch: the accumulation follows the world size
+                    accumulate = json_accumulation(user_json, inputs.micro_batch, world, 1)
+                except ConfigError:
+                    continue
+            i = replace(inputs, layout=layout, devices=devices, num_nodes=nodes, accumulate=accumulate)
+            i = replace(i, adam_path=adam_path(i))
+            picked = {**choices, "strategy": name} if name else dict(choices)
+            if name != current and not allowed(picked, i):
+                continue
+            e = run(i)
+            if e.fits:
+                swapped = {"strategy": name} if name != current and name else {}
+                where = f"{world} device{'s' if world > 1 else ''}" + (f" ({nodes} nodes)" if nodes > 1 else "")
+                how = "the same strategy" if name == current else f"strategy {name}"
+                return (
+                    f"with {how} on {where} the peak is {e.peak_device_bytes / 2**30:,.2f} GiB and fits: "
+                    f"{train_command(cfg, picked, i, swapped)}  (or add plan.search=true to rank every configuration)"
+                )
+    return (
+        f"no strategy in plan.search_space.strategy fits with this micro-batch on up to {8 * inputs.world_size} "
+        "devices: add plan.search=true (activation checkpointing, 8-bit states, smaller micro-batches), or lower "
+        "data.seq_len or the model size."
+    )
+
+
 def plan(cfg: DictConfig) -> PlanResult:
     """Estimate a composed ``plan.py`` / ``train.py`` config (no Trainer, no device, no memory allocated).
 
     Args:
-        cfg: the composed config (``conf/plan.yaml``: the groups of ``train.py`` plus a ``plan`` node).
+        cfg: the composed config (``conf/plan.yaml``: the groups of ``train.py`` plus a ``plan`` node; without one,
+            the defaults of ``conf/plan.yaml`` apply).
 
     Raises:
-        ConfigError: a value the planner cannot plan, named with its key and the fix.
+        ConfigError: a value the planner cannot plan or ``train.py`` refuses, named with its key and the fix.
+        IncompatibleConfigError: a combination ``train.py``'s pre-flight refuses.
     """
     plan_cfg = cfg.get("plan") or OmegaConf.create({})
-    _check_top_k(plan_cfg.get("top_k", 10))
+    top_k = _check_top_k(plan_cfg.get("top_k", _DEFAULTS["top_k"]))
+    mfu, target = _plan_number(plan_cfg, "mfu"), _plan_number(plan_cfg, "target_tokens")
+    headroom = _plan_number(plan_cfg, "headroom_fraction")
+    search = plan_cfg.get("search", False)
+    if not isinstance(search, bool):
+        raise ConfigError("plan.search", search, "use true or false.")
+    validate_like_train(cfg)
     hardware = hardware_from_cfg(cfg.get("hardware"))
     on_cuda = hardware.name != "cpu"
-    choices = _choices(cfg)
+    choices = plan_choices(cfg)
     adam_path = _adam_path(cfg, on_cuda)
     base = build_plan_inputs(cfg, choices.get("activations", "none"))
     inputs = replace(base, adam_path=adam_path(base))
-    mfu = float(plan_cfg.get("mfu", 0.4))
-    target = float(plan_cfg.get("target_tokens", 1e9))
-    headroom = float(plan_cfg.get("headroom_fraction", 0.0))
     measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs, on_cuda)
 
     def run(i: PlanInputs) -> PlanEstimate:
@@ -371,16 +359,27 @@ def plan(cfg: DictConfig) -> PlanResult:
     est = run(inputs)
     n = inputs.model.n_params()
     textbook = {s: textbook_model_state_bytes(n, s) for s in ("fp32", "mixed")}
-    if not plan_cfg.get("search", False):
-        return PlanResult(est, hardware, choices, _command(cfg, choices, inputs), textbook=textbook)
-    space = _search_space(cfg, inputs.world_size)
-    ranked, n_enum = search_plans(inputs, space, run, adam_path, _allowed(cfg, on_cuda))
+    allowed = _allowed(cfg, on_cuda)
+    if not search:
+        nxt = _next_step(cfg, choices, inputs, run, adam_path, allowed) if est.fits is False else ""
+        cmd = train_command(cfg, choices, inputs)
+        return PlanResult(est, hardware, choices, cmd, textbook=textbook, top_k=top_k, next_step=nxt)
+    space_node = plan_cfg.get("search_space")
+    space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size)
+    ranked, n_enum = search_plans(inputs, space, run, adam_path, allowed)
+    if not n_enum:
+        raise ConfigError(
+            "plan.search_space",
+            _plain(space_node),
+            "train.py's pre-flight refuses every combination of it on this hardware (e.g. 8-bit states with offload "
+            "or FSDP only, fp16 on CPU); add presets it accepts.",
+        )
     cmd = ""
     if ranked:
         win = ranked[0]
         swapped = {g: p for g, p in win.choices.items() if choices.get(g) != p}
-        cmd = _command(cfg, {**choices, **win.choices}, win.estimate.inputs, swapped)
-    return PlanResult(est, hardware, choices, cmd, ranked, n_enum, textbook)
+        cmd = train_command(cfg, {**choices, **win.choices}, win.estimate.inputs, swapped)
+    return PlanResult(est, hardware, choices, cmd, ranked, n_enum, textbook, top_k=top_k)
 
 
 def _check_top_k(value: Any) -> int:
@@ -400,5 +399,5 @@ def plan_task(cfg: DictConfig) -> PlanResult:
     if fmt == "json":
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print_plan(result, top_k=_check_top_k((cfg.get("plan") or {}).get("top_k", 10)))
+        print_plan(result)
     return result

@@ -1,18 +1,114 @@
-"""The planner's one-screen derivation (rich), so a user can check every figure."""
+"""The planner's one-screen derivation (rich), so a user can check every figure; the exit status of a plan sweep."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
     from lightning_trainopt.app.plan import PlanResult
+    from lightning_trainopt.core.estimate import PlanInputs
 
-__all__ = ["print_plan"]
+__all__ = ["PlanSweepCheck", "plan_choices", "print_plan", "refused_jobs", "train_command"]
 
 _GIB = 2**30
+
+
+def plan_choices(cfg: DictConfig) -> dict[str, str]:
+    """Preset names of the composed config (Hydra's runtime choices when running under ``@hydra.main``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        runtime = dict(HydraConfig.get().runtime.choices)
+    except ValueError:
+        runtime = {}
+    plan_cfg = cfg.get("plan") or {}
+    given = dict(_plain(plan_cfg.get("choices")) or {})
+    out = {}
+    for group in ("model", "precision", "strategy", "activations", "optimizer", "hardware"):
+        name = given.get(group) or runtime.get(group)
+        if name is None and group in ("model", "precision", "strategy") and cfg.get(group) is not None:
+            name = cfg[group].get("name")
+        if name is not None and str(name) not in ("null", "None"):
+            out[group] = str(name)
+    return out
+
+
+# Overrides the planner writes itself in the printed command, from the planned values.
+_PLANNED_KEYS = (
+    "trainer.devices",
+    "trainer.num_nodes",
+    "data.batch_size",
+    "data.seq_len",
+    "trainer.accumulate_grad_batches",
+)
+
+
+def _task_overrides(cfg: DictConfig) -> list[str]:
+    """The command-line overrides of this run: ``plan.overrides`` when an API caller gives them, else Hydra's."""
+    given = _plain((cfg.get("plan") or {}).get("overrides"))
+    if given:
+        return [str(o) for o in given]
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [str(o) for o in HydraConfig.get().overrides.task]
+    except ValueError:
+        return []
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def train_command(
+    cfg: DictConfig, choices: dict[str, str], inputs: PlanInputs, swapped: dict[str, str] | None = None
+) -> str:
+    """``python train.py`` + the user's overrides (so the same model, data and hardware compose) + the planned values.
+
+    Args:
+        cfg: the composed config.
+        choices: preset names of the planned configuration (a search winner's groups included).
+        inputs: the planned values (devices, micro-batch, sequence length, accumulation).
+        swapped: groups a search winner replaces (group -> new preset): the user's override of the group and of
+            its keys are dropped, the winner's preset is written instead.
+    """
+    swapped = swapped or {}
+    parts = ["python train.py"]
+    given = _task_overrides(cfg)
+    for o in given:
+        key = _override_key(o)
+        group = key.split(".", 1)[0]
+        if group in ("plan", "hydra") or key in _PLANNED_KEYS or group in swapped:
+            continue
+        parts.append(o)
+    present = {_override_key(o).split(".", 1)[0] for o in parts[1:] if "." not in _override_key(o)}
+    for group in ("model", "hardware", "precision", "activations", "optimizer"):
+        if group in choices and (group in swapped or group not in present):
+            parts.append(f"{group}={choices[group]}")
+    strategy_given = "strategy" in present and "strategy" not in swapped
+    if choices.get("strategy") and inputs.layout.kind != "single" and not strategy_given:
+        parts.append(f"+strategy={choices['strategy']}")
+    parts += [
+        f"trainer.devices={inputs.devices}",
+        f"data.batch_size={inputs.micro_batch}",
+        f"data.seq_len={inputs.seq_len}",
+        f"trainer.accumulate_grad_batches={inputs.accumulate}",
+    ]
+    if inputs.num_nodes > 1:
+        parts.append(f"trainer.num_nodes={inputs.num_nodes}")
+    return " ".join(parts)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def _g(n: int | float | None) -> str:
@@ -23,8 +119,15 @@ def _human(n: float | None, unit: str = "", digits: int = 3) -> str:
     return "-" if n is None else f"{n:,.{digits}g}{unit}"
 
 
-def print_plan(result: PlanResult, top_k: int = 10, console: Console | None = None) -> None:
-    """Print the derivation of ``result`` (and the search ranking when there is one)."""
+def print_plan(result: PlanResult, top_k: int | None = None, console: Console | None = None) -> None:
+    """Print the derivation of ``result`` (and the search ranking when there is one).
+
+    Args:
+        result: what :func:`~lightning_trainopt.app.plan.plan` returned.
+        top_k: rows of the search ranking (default ``result.top_k``, i.e. ``plan.top_k``).
+        console: where to print (default: stdout).
+    """
+    top_k = result.top_k if top_k is None else top_k
     console = console or Console(width=None if Console().is_terminal else 150)
     e, i, hw = result.estimate, result.estimate.inputs, result.hardware
     n = i.model.n_params()
@@ -83,6 +186,9 @@ def print_plan(result: PlanResult, top_k: int = 10, console: Console | None = No
     )
     if result.n_enumerated:
         _print_search(result, top_k, console)
+    elif result.next_step:
+        # A plan that does not fit is an answer, not an error (exit code 0): say what to run instead.
+        console.print(f"[red]next step:[/] {result.next_step}")
     elif result.command:
         console.print(f"run it: [bold]{result.command}")
 
@@ -122,4 +228,46 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
     if result.command:
         console.print(f"winner: [bold]{result.command}")
     else:
-        console.print("[red]no configuration fits: add devices, shorten data.seq_len, or choose a smaller model.")
+        i = result.estimate.inputs
+        console.print(
+            f"[red]no configuration fits on {i.world_size} x {result.hardware.name}:[/] search more devices "
+            f"(trainer.devices={2 * i.devices} plan.search=true), shorten data.seq_len, or choose a smaller model."
+        )
+
+
+def refused_jobs(sweep_dir: Path) -> dict[str, str]:
+    """``{job: error}`` of the jobs of a ``plan.py -m`` sweep that were refused.
+
+    A refused job leaves ``metrics.json`` with ``status: refused`` in its directory (``app.cli``); a planned one
+    leaves nothing there (the plan goes to stdout).
+    """
+    out = {}
+    for metrics in sorted(sweep_dir.glob("*/metrics.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        data = json.loads(metrics.read_text())
+        if isinstance(data, dict) and data.get("status") == "refused":
+            out[metrics.parent.name] = str(data.get("error", ""))
+    return out
+
+
+class PlanSweepCheck(Callback):
+    """Hydra callback of ``plan.py -m``: exit with code 2 at the end of a sweep in which a job was refused.
+
+    Each refused job is reported as it happens and the sweep goes on; without this callback the sweep would then
+    exit 0 (Hydra does not see a refusal as a failure). Registered in ``conf/plan.yaml``::
+
+        hydra:
+          callbacks:
+            plan_sweep:
+              _target_: lightning_trainopt.app.plan_report.PlanSweepCheck
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        refused = refused_jobs(sweep_dir) if sweep_dir.is_dir() else {}
+        if not refused:
+            return
+        for job, error in refused.items():
+            print(f"error: job {job} refused: {error}", file=sys.stderr)
+        print(f"error: {len(refused)} plan job(s) of {sweep_dir} refused; see above.", file=sys.stderr)
+        # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
+        raise SystemExit(2)

@@ -40,3 +40,65 @@ def test_plan_py_refuses_bad_input_with_the_key():
     proc = _run("trainer.devices=-1")
     assert proc.returncode == 2
     assert "trainer.devices=-1 is invalid" in proc.stderr
+
+
+def test_plan_py_plans_a_deepspeed_json_as_train_py_runs_it(tmp_path):
+    ds = {
+        "train_batch_size": 32,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "bf16": {"enabled": True},
+    }
+    (tmp_path / "ds3.json").write_text(json.dumps(ds))
+    proc = _run(
+        "model=llama_7b",
+        "hardware=a100_80gb",
+        "trainer.devices=4",
+        "+strategy=deepspeed_json",
+        f"strategy.config={tmp_path / 'ds3.json'}",
+        "precision=bf16",
+        "data.seq_len=2048",
+        "data.batch_size=2",
+        "plan.format=json",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["memory_breakdown"]["optimizer_states"]["device"] == 0
+    assert out["memory_breakdown"]["optimizer_states"]["cpu"] > 0
+    assert "trainer.accumulate_grad_batches=4" in out["command"]
+
+
+def test_plan_py_refuses_an_unknown_search_preset_with_exit_2():
+    proc = _run("trainer.devices=2", "plan.search=true", "plan.search_space.strategy=[zero9]")
+    assert proc.returncode == 2
+    assert "plan.search_space.strategy='zero9' is invalid" in proc.stderr
+
+
+def test_plan_py_refuses_a_bad_hardware_override_with_exit_2():
+    proc = _run("hardware=a100_80gb", "hardware.price_per_device_hour=-2")
+    assert proc.returncode == 2
+    assert "hardware.price_per_device_hour=-2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_plan_that_does_not_fit_exits_0_with_a_next_step():
+    proc = _run("model=llama_7b", "hardware=a100_80gb", "trainer.devices=1", "precision=bf16", "data.batch_size=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "does NOT fit" in proc.stdout
+    assert "next step:" in proc.stdout
+    assert "run it:" not in proc.stdout
+
+
+def test_a_plan_sweep_with_a_refused_job_exits_non_zero(tmp_path):
+    proc = _run(
+        "-m",
+        "model=gpt_tiny",
+        "hardware=a100_80gb",
+        "trainer.devices=0,2",
+        "plan.format=json",
+        f"hydra.sweep.dir={tmp_path}",
+        # conf/plan.yaml registers this callback; `++` also works once it does.
+        "++hydra.callbacks.plan_sweep._target_=lightning_trainopt.app.plan_report.PlanSweepCheck",
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "job 0 refused: trainer.devices=0 is invalid" in proc.stderr
+    assert json.loads((tmp_path / "0" / "metrics.json").read_text())["status"] == "refused"

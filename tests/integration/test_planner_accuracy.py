@@ -1,5 +1,5 @@
 """The planner against measurement: saved-for-backward bytes (real CPU forward with the real techniques) and
-per-rank model states on 2 CPU processes (core.memory_accounting) — the figures of bench/RESULTS_planner.md."""
+per-rank model states on 2 CPU processes (core.memory_accounting), as recorded in bench/RESULTS.md."""
 
 from __future__ import annotations
 

@@ -175,7 +175,8 @@ def estimate_model_states(
         terms.append(
             Term("optimizer_states", "device", optimizer.name, optimizer.bytes_for(numels, wb), optimizer.formula(wb))
         )
-        if layout.kind == "ddp" and w > 1:
+        if layout.kind == "ddp":
+            # Lightning wraps the model in DDP even on one device, and DDP allocates its buckets at any world size.
             terms.append(Term("other", "device", "DDP gradient buckets", gb * n, f"{gb} B x {_gb(n)}"))
         return MemoryEstimate.of(t for t in terms if t is not None)
     if layout.kind == "fsdp":

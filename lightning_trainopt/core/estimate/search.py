@@ -10,12 +10,13 @@ from lightning_trainopt.core.estimate.activations import ActivationPolicy
 from lightning_trainopt.core.estimate.model_states import StrategyLayout
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs
+from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["Candidate", "SearchSpace", "rank_candidates", "search_plans"]
+__all__ = ["Candidate", "SearchSpace", "rank_candidates", "search_plans", "simplicity"]
 
 # Ties on dollars (the FLOPs model does not charge offload traffic or reward bigger micro-batches) go to the
 # configuration with fewer moving parts: this order, then fewer bytes.
-_SIMPLICITY = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "offload", "infinity")
+_SIMPLICITY = ("none", "single", "ddp", "zero1", "zero2", "fsdp", "zero3", "offload", "infinity")
 # Activation techniques cost time the FLOPs model does not see (quantisation, PCIe copies): fewest first.
 _ACT_ORDER = ("none", "every_2nd", "checkpoint", "int8", "offload")
 
@@ -54,7 +55,8 @@ class Candidate:
     reason: str = ""
 
 
-def _simplicity(name: str) -> int:
+def simplicity(name: str) -> int:
+    """Rank of a strategy preset name in the tie-break order (``none`` < ``ddp`` < ``zero1`` < ... < ``infinity``)."""
     for i, key in enumerate(reversed(_SIMPLICITY)):
         if key in name:
             return len(_SIMPLICITY) - 1 - i
@@ -93,7 +95,7 @@ def rank_candidates(candidates: Iterable[Candidate]) -> list[Candidate]:
         cost = s.usd_per_1b_tokens if s.usd_per_1b_tokens is not None else -(s.tokens_per_sec_per_device or 0.0)
         return (
             round(cost, 9),
-            _simplicity(c.choices.get("strategy", "")),
+            simplicity(c.choices.get("strategy", "")),
             _act_rank(i.activations),
             int(i.optimizer.bits != 32),
             -i.micro_batch,
@@ -103,6 +105,29 @@ def rank_candidates(candidates: Iterable[Candidate]) -> list[Candidate]:
     ranked = sorted(fitting, key=key)
     best = ranked[0] if ranked else None
     return [replace(c, reason=_reason(c, best)) for c in ranked]
+
+
+def _check_micro_batches(micro_batches: tuple[int, ...], base: PlanInputs) -> None:
+    """Refuse micro-batches that cannot be searched, instead of enumerating nothing.
+
+    Raises:
+        ConfigError: an empty list, a micro-batch that is not a positive whole number, or none that divides the
+            sequences each device processes per optimizer step (the global batch is held).
+    """
+    key = "plan.search_space.micro_batch"
+    given = list(micro_batches)
+    if not given or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in given):
+        raise ConfigError(key, given, "use positive whole micro-batch sizes, e.g. [1, 2, 4].")
+    per_device = base.micro_batch * base.accumulate
+    if all(per_device % b for b in given):
+        divisors = [d for d in range(1, per_device + 1) if per_device % d == 0]
+        raise ConfigError(
+            key,
+            given,
+            f"the search holds the global batch of {per_device * base.world_size} sequences (data.batch_size "
+            f"{base.micro_batch} x trainer.accumulate_grad_batches {base.accumulate} x {base.world_size} devices) and "
+            f"none of these divides the {per_device} per device; use divisors of {per_device}: {divisors}.",
+        )
 
 
 def search_plans(
@@ -127,6 +152,7 @@ def search_plans(
         (fitting candidates ranked best first, number enumerated).
     """
     global_seqs = base.micro_batch * base.accumulate * base.world_size
+    _check_micro_batches(space.micro_batches, base)
     out: list[Candidate] = []
     n = 0
     for (pn, prec), (sn, lay), (an, act), (on, opt), mb in product(

@@ -167,7 +167,7 @@ def test_bad_config_is_refused_before_anything_runs(tmp_path, overrides, error, 
     [
         (["precision=bf16"], None),  # LitGPT gives the adamw preset the fused kernel on CUDA
         (["precision=fp16", "trainer.gradient_clip_val=1.0"], "foreach"),  # Lightning cannot clip a fused optimizer
-        (["precision=fp16", "trainer.gradient_clip_val=0"], None),
+        (["precision=fp16", "trainer.gradient_clip_val=null"], None),  # train.py refuses 0: null switches clipping off
         (["precision=bf16", "+optimizer.fused=false"], "foreach"),  # torch's CUDA default: foreach
         (["precision=bf16", "+optimizer.foreach=true"], "foreach"),
         (["precision=bf16", "+strategy=zero2", "trainer.devices=2"], "foreach"),  # DeepSpeed: no fused kernel

@@ -58,10 +58,14 @@ def test_bf16_true_keeps_states_in_bf16():
     assert est.bytes("optimizer_states") == 4004
 
 
-def test_ddp_adds_gradient_buckets_only_with_several_ranks():
+def test_ddp_adds_gradient_buckets_at_any_world_size():
+    # DDP allocates its buckets on one rank too (measured: 4 B x params at world 1 with gloo); a single-device run
+    # without the DDP preset is layout "single" and has none.
     one = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="ddp"), ADAMW, 1)
     two = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="ddp"), ADAMW, 2)
-    assert one.bytes("other") == 0
+    single = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="single"), ADAMW, 1)
+    assert one.bytes("other") == 4000
+    assert single.bytes("other") == 0
     assert two.bytes("other") == 4000
     assert two.bytes("params") == 4000  # replicated
 

@@ -1,0 +1,160 @@
+"""plan.py with ``+strategy=deepspeed_json strategy.config=FILE``: the layout and accumulation come from the JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from lightning_trainopt.app.plan import plan
+from lightning_trainopt.app.plan_inputs import load_preset, strategy_layout
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.strategies import load_deepspeed_json
+from lightning_trainopt.strategies.deepspeed import TrainOptDeepSpeedStrategy
+from tests.helpers.compose import REPO_ROOT, compose_config
+
+# The reviewer's file (issue #6): ZeRO-3, optimizer and parameters on the CPU, 32 sequences per optimizer step.
+DS3 = {
+    "train_batch_size": 32,
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+        "reduce_bucket_size": 5e8,
+    },
+    "bf16": {"enabled": True},
+}
+BASE = [
+    "model=llama_7b",
+    "hardware=a100_80gb",
+    "trainer.devices=4",
+    "+strategy=deepspeed_json",
+    "precision=bf16",
+    "data.seq_len=2048",
+    "data.batch_size=2",
+]
+
+
+def _plan(tmp_path, ds: dict, *extra: str):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    return plan(compose_config([*BASE, f"strategy.config={path}", *extra], tmp_path, name="plan"))
+
+
+def test_the_issue_json_plans_zero3_with_cpu_offload_and_accumulation_4(tmp_path):
+    result = _plan(tmp_path, DS3)
+    i = result.estimate.inputs
+    assert (i.layout.kind, i.layout.zero_stage) == ("deepspeed", 3)
+    assert (i.layout.offload_optimizer, i.layout.offload_params) == ("cpu", "cpu")
+    assert i.layout.reduce_bucket_size == 500_000_000
+    assert i.accumulate == 4  # 32 / (2 x 4)
+    d = result.to_dict()
+    assert d["memory_breakdown"]["optimizer_states"]["device"] == 0
+    assert d["memory_breakdown"]["optimizer_states"]["cpu"] > 0
+    assert d["memory_breakdown"]["params"]["cpu"] > d["memory_breakdown"]["params"]["device"]
+    assert "trainer.accumulate_grad_batches=4" in result.command
+
+
+def test_the_printed_command_reproduces_the_planned_run(tmp_path):
+    result = _plan(tmp_path, DS3)
+    i = result.estimate.inputs
+    train_cfg = compose_config(result.command.split()[2:], tmp_path, name="train")
+    t = train_cfg.trainer
+    world = t.devices * t.get("num_nodes", 1)
+    assert strategy_layout(train_cfg.strategy, world) == i.layout
+    # What TrainOptDeepSpeedStrategy derives at set-up from the same JSON and Trainer values.
+    ds = load_deepspeed_json(train_cfg.strategy.config)
+    derived = TrainOptDeepSpeedStrategy.accumulation_for_train_batch_size(
+        ds["train_batch_size"], train_cfg.data.batch_size, world, t.accumulate_grad_batches
+    )
+    assert derived == t.accumulate_grad_batches == i.accumulate
+    assert (train_cfg.data.batch_size, train_cfg.data.seq_len) == (i.micro_batch, i.seq_len)
+
+
+def test_a_json_equal_to_a_preset_plans_the_same_bytes(tmp_path):
+    preset = load_preset(REPO_ROOT / "conf", "strategy", "zero3_offload")
+    ds = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+            "reduce_bucket_size": preset.reduce_bucket_size,
+            "stage3_param_persistence_threshold": preset.param_persistence_threshold,
+            "overlap_comm": True,
+        }
+    }
+    from_json = _plan(tmp_path, ds)
+    over = [o for o in BASE if not o.startswith("+strategy")] + ["+strategy=zero3_offload"]
+    from_preset = plan(compose_config(over, tmp_path, name="plan"))
+    assert from_json.estimate.inputs.layout == replace(from_preset.estimate.inputs.layout, name="deepspeed_json")
+    assert from_json.estimate.peak_device_bytes == from_preset.estimate.peak_device_bytes
+
+
+def test_deepspeed_defaults_apply_to_what_the_json_leaves_out():
+    layout = strategy_layout(
+        {"_target_": "x.TrainOptDeepSpeedStrategy", "config": {"zero_optimization": {"stage": 2}}}, 4
+    )
+    # DeepSpeed's own defaults (runtime/zero/config.py), not Lightning's keyword defaults (2e8, overlap_comm=True).
+    assert layout.zero_stage == 2
+    assert layout.reduce_bucket_size == 500_000_000
+    assert layout.overlap_comm is False
+    assert layout.contiguous_gradients is True
+    assert (layout.offload_optimizer, layout.offload_params) == ("none", "none")
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        ({"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}, ("nvme", "nvme")),
+        ({"stage": 2, "cpu_offload": True}, ("cpu", "none")),  # DeepSpeed's deprecated boolean
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, ("none", "cpu")),
+    ],
+)
+def test_offload_devices_are_read_from_the_json(zero, expected):
+    layout = strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", "config": {"zero_optimization": zero}}, 2)
+    assert (layout.offload_optimizer, layout.offload_params) == expected
+
+
+def test_stage3_knobs_are_read_by_name_or_alias():
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 1234,
+        "stage3_prefetch_bucket_size": 7e6,
+        "max_live_parameters": 100,
+        "stage3_max_reuse_distance": 5,
+    }
+    layout = strategy_layout({"_target_": "x.DeepSpeedStrategy", "config": {"zero_optimization": zero}}, 2)
+    assert (layout.param_persistence_threshold, layout.prefetch_bucket_size) == (1234, 7_000_000)
+    assert (layout.max_live_parameters, layout.max_reuse_distance) == (100, 5)
+    assert layout.overlap_comm is True  # DeepSpeed's stage-3 default
+
+
+@pytest.mark.parametrize(
+    ("ds", "extra", "error", "key"),
+    [
+        ({**DS3, "train_batch_size": 30}, [], ConfigError, "strategy.config.train_batch_size"),
+        (DS3, ["trainer.accumulate_grad_batches=2"], ConfigError, "trainer.accumulate_grad_batches"),
+        ({**DS3, "gradient_accumulation_steps": 4}, [], ConfigError, "strategy.config.gradient_accumulation_steps"),
+        ({"bf16": {"enabled": True}}, [], ConfigError, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2.5}}, [], ConfigError, "reduce_bucket_size"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, [], ConfigError, "offload_param"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+            [],
+            ConfigError,
+            "ratio",
+        ),
+        (DS3, ["precision=fp32"], IncompatibleConfigError, "strategy.config.bf16.enabled"),
+    ],
+)
+def test_a_json_train_py_refuses_is_refused(tmp_path, ds, extra, error, key):
+    with pytest.raises(error, match=key):
+        _plan(tmp_path, ds, *extra)
+
+
+def test_the_missing_json_path_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="strategy.config"):
+        plan(compose_config(BASE, tmp_path, name="plan"))
+    with pytest.raises(ConfigError, match="strategy.config"):
+        plan(compose_config([*BASE, "strategy.config=/nonexistent/ds.json"], tmp_path, name="plan"))

@@ -1,0 +1,158 @@
+"""What plan() reports: next step when it does not fit, DDP on one device, resident bytes, top_k, defaults, sweeps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_trainopt.app.plan import plan, plan_task
+from lightning_trainopt.app.plan_report import PlanSweepCheck, refused_jobs
+from lightning_trainopt.core.estimate import LOCATIONS
+from tests.helpers.compose import compose_config
+
+ZERO2 = ["model=llama_7b", "hardware=a100_80gb", "trainer.devices=4", "+strategy=zero2", "precision=bf16"]
+# 7B with AdamW on one 80 GB device: 16 B/param of model states alone, ~108 GB.
+TOO_BIG = ["model=llama_7b", "hardware=a100_80gb", "trainer.devices=1", "precision=bf16", "data.batch_size=1"]
+
+
+def test_a_config_that_does_not_fit_gets_a_next_step_that_fits(tmp_path):
+    result = plan(compose_config(TOO_BIG, tmp_path, name="plan"))
+    assert result.estimate.fits is False
+    assert result.next_step
+    command = result.next_step.split("fits: ", 1)[1].split("  (or", 1)[0]
+    assert command.startswith("python train.py ")
+    suggested = plan(compose_config([*command.split()[2:], "plan.format=json"], tmp_path, name="plan"))
+    assert suggested.estimate.fits is True
+    assert result.to_dict()["next_step"] == result.next_step
+
+
+def test_the_rich_screen_prints_the_next_step_not_run_it(tmp_path, capsys):
+    plan_task(compose_config(TOO_BIG, tmp_path, name="plan"))
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out
+    assert "next step:" in out
+    assert "run it:" not in out
+
+
+def test_a_config_that_fits_has_no_next_step(tmp_path, capsys):
+    result = plan_task(compose_config([*ZERO2, "activations=checkpoint"], tmp_path, name="plan"))
+    assert result.estimate.fits is True
+    assert result.to_dict()["next_step"] is None
+    assert "run it: " in capsys.readouterr().out
+
+
+def test_the_ddp_preset_on_one_device_is_planned_as_ddp(tmp_path):
+    result = plan(
+        compose_config(
+            ["model=gpt_125m", "hardware=a100_80gb", "trainer.devices=1", "+strategy=ddp"], tmp_path, name="plan"
+        )
+    )
+    assert result.estimate.inputs.layout.kind == "ddp"
+    assert "+strategy=ddp" in result.command
+
+
+def test_the_ddp_preset_on_one_device_counts_the_gradient_buckets(tmp_path):
+    result = plan(
+        compose_config(
+            ["model=gpt_125m", "hardware=a100_80gb", "trainer.devices=1", "+strategy=ddp"], tmp_path, name="plan"
+        )
+    )
+    labels = {t.label: t.nbytes for t in result.estimate.memory.terms}
+    assert labels["DDP gradient buckets"] == 4 * result.estimate.inputs.model.n_params()
+
+
+def test_a_search_on_one_device_offers_no_strategy_instead_of_ddp(tmp_path):
+    overrides = [
+        "model=gpt_125m",
+        "hardware=a100_80gb",
+        "trainer.devices=1",
+        "+strategy=ddp",
+        "precision=bf16",
+        "data.batch_size=1",
+        "plan.search=true",
+        "plan.search_space.micro_batch=[1]",
+        "plan.search_space.activations=[none]",
+    ]
+    result = plan(compose_config(overrides, tmp_path, name="plan"))
+    strategies = {c.choices["strategy"] for c in result.candidates}
+    assert "none" in strategies
+    assert "ddp" not in strategies
+    assert result.winner.choices["strategy"] == "none"
+    assert "+strategy" not in result.command  # the user's +strategy=ddp is replaced by Lightning's single device
+
+
+def test_memory_breakdown_shows_resident_bytes_and_transients_apart(tmp_path):
+    result = plan(compose_config([*ZERO2, "activations=checkpoint"], tmp_path, name="plan"))
+    d = result.to_dict()
+    mem = result.estimate.memory
+    n, w = d["n_params"], 4
+    for c in ("params", "grads", "optimizer_states"):
+        for loc in LOCATIONS:
+            assert d["memory_breakdown"][c][loc] + d["memory_transient"][c][loc] == mem.bytes(c, loc)
+            assert d["memory_breakdown"][c][loc] == mem.bytes(c, loc, resident_only=True)
+    # DeepSpeed's fp32 gradient partition exists only inside step(): transient, not in the snapshot.
+    assert d["memory_transient"]["grads"]["device"] == 4 * n // w
+    assert d["memory_breakdown"]["grads"]["device"] == d["per_device_bytes"]["grads"] - 4 * n // w
+    assert d["peak_bytes"] == 50_587_140_104  # the headline figure is unchanged
+
+
+@pytest.mark.parametrize("top_k", [3, 14])
+def test_json_search_rows_follow_top_k(tmp_path, top_k):
+    overrides = [
+        *ZERO2,
+        "data.batch_size=1",
+        "plan.search=true",
+        "plan.search_space.micro_batch=[1]",
+        f"plan.top_k={top_k}",
+    ]
+    result = plan(compose_config(overrides, tmp_path, name="plan"))
+    assert len(result.candidates) > 14
+    assert len(result.to_dict()["search"]["top"]) == top_k
+
+
+def test_plan_without_a_plan_node_keeps_the_documented_headroom(tmp_path):
+    cfg = compose_config([*ZERO2, "activations=checkpoint", "data.seq_len=2048"], tmp_path, name="train")
+    assert cfg.get("plan") is None
+    result = plan(cfg)
+    assert result.estimate.headroom_bytes == int(0.05 * 80 * 2**30)
+
+
+def _sweep(tmp_path, jobs: dict[str, dict | None]):
+    for job, metrics in jobs.items():
+        (tmp_path / job).mkdir()
+        if metrics is not None:
+            (tmp_path / job / "metrics.json").write_text(json.dumps(metrics))
+    return OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+
+
+def test_a_plan_sweep_with_a_refused_job_exits_2(tmp_path, capsys):
+    config = _sweep(tmp_path, {"0": {"status": "refused", "error": "trainer.devices=0 is invalid"}, "1": None})
+    assert refused_jobs(tmp_path) == {"0": "trainer.devices=0 is invalid"}
+    with pytest.raises(SystemExit) as exit_info:
+        PlanSweepCheck().on_multirun_end(config)
+    assert exit_info.value.code == 2
+    assert "job 0 refused: trainer.devices=0 is invalid" in capsys.readouterr().err
+
+
+def test_a_plan_sweep_without_refusals_ends_normally(tmp_path):
+    config = _sweep(tmp_path, {"0": None, "1": None})
+    assert PlanSweepCheck().on_multirun_end(config) is None
+
+
+def test_a_search_where_nothing_fits_says_what_to_search_next(tmp_path, capsys):
+    overrides = [
+        *ZERO2,
+        "hardware.memory_gb=1",
+        "data.batch_size=1",
+        "plan.search=true",
+        "plan.search_space.micro_batch=[1]",
+        "plan.search_space.activations=[none]",
+    ]
+    result = plan_task(compose_config(overrides, tmp_path, name="plan"))
+    assert result.n_enumerated > 0
+    assert result.candidates == []
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "no configuration fits on 4 x a100_80gb" in out
+    assert "trainer.devices=8 plan.search=true" in out
