@@ -260,11 +260,17 @@ def hardware_spec(
         sources["peak"] = f"user-set ({', '.join(sorted(dict(peak_tflops)))}); others: {spec.sources.get('peak')}"
     price = spec.price_per_device_hour
     if price_per_device_hour is not None:
+        if isinstance(price_per_device_hour, bool) or not isinstance(price_per_device_hour, (int, float)):
+            raise ConfigError(
+                "hardware.price_per_device_hour",
+                price_per_device_hour,
+                "use dollars per device-hour as a number >= 0, e.g. 2.5.",
+            )
         price = float(price_per_device_hour)
         sources["price"] = "user-set"
     memory = spec.memory_bytes
     if memory_gb is not None:
-        if not memory_gb > 0:
+        if isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0:
             raise ConfigError("hardware.memory_gb", memory_gb, "use a positive size in GiB.")
         memory = int(memory_gb * _GIB)
         sources["memory"] = "user-set"

@@ -77,8 +77,10 @@ class TextDataModule(pl.LightningDataModule):
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"data.{key}", value, "use a positive integer.")
-        if not 0.0 < val_fraction < 1.0:
+        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
             raise ConfigError("data.val_fraction", val_fraction, "use a fraction between 0 and 1.")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ConfigError("data.max_bytes", max_bytes, "use a positive number of bytes, or null to read all.")
         if corpus == "text_file" and not path:
             raise ConfigError("data.path", path, "data=text_file needs data.path=/path/to/file_or_folder.")
         if not isinstance(num_workers, int) or num_workers < 0:

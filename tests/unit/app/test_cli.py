@@ -51,12 +51,12 @@ def test_wrapped_user_error_in_a_sweep_is_recorded_as_refused(tmp_path, monkeypa
 
 
 def test_other_errors_hydra_wraps_keep_their_traceback(tmp_path, monkeypatch):
+    # A plain bug inside a _target_ (here int("abc")) is not a user error: it keeps Hydra's wrapper and traceback.
     monkeypatch.setattr(cli, "_in_multirun", lambda: False)
-    # Bypasses validate_config on purpose: the hardware preset's float() raises a plain ValueError, nested two
-    # instantiations deep (the cost monitor's `hardware: ${hardware}`).
-    cfg = compose_config(["hardware.price_per_device_hour=abc"], tmp_path)
+    node = {"_target_": "builtins.int", "_args_": ["abc"]}
     with pytest.raises(InstantiationException) as err:
-        cli._guarded(_instantiate_cost_monitor)(cfg)
+        cli._guarded(lambda cfg: instantiate(node))(compose_config([], tmp_path))
+    assert isinstance(err.value.__cause__, ValueError)
     assert cli.user_error(err.value) is None
     assert not (tmp_path / "metrics.json").exists()
 

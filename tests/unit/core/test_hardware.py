@@ -101,3 +101,18 @@ def test_compute_dtype_key():
 def test_spec_validates_itself():
     with pytest.raises(ConfigError, match="hardware.price_per_device_hour"):
         HardwareSpec("x", price_per_device_hour=-2.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"price_per_device_hour": "abc"}, "hardware.price_per_device_hour"),
+        ({"price_per_device_hour": True}, "hardware.price_per_device_hour"),
+        ({"memory_gb": "80"}, "hardware.memory_gb"),
+    ],
+)
+def test_override_of_the_wrong_type_is_a_config_error(kwargs, key):
+    # Called directly (the Python API, or a Hydra _target_), not only through train.py's validation.
+    with pytest.raises(ConfigError) as err:
+        hardware_spec("h100", **kwargs)
+    assert err.value.key == key

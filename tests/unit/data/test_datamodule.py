@@ -62,3 +62,17 @@ def test_bad_data_options(kwargs, key):
     with pytest.raises(ConfigError) as err:
         TextDataModule(**kwargs)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"val_fraction": "0.1"}, "data.val_fraction"),
+        ({"max_bytes": 0}, "data.max_bytes"),
+        ({"max_bytes": "10"}, "data.max_bytes"),
+    ],
+)
+def test_bad_values_name_their_own_key(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        TextDataModule(corpus="synthetic", **kwargs)
+    assert err.value.key == key
