@@ -249,7 +249,10 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
     def allowed(choices: dict[str, str], inputs: PlanInputs) -> bool:
         name = choices.get("strategy")
         strategy = load_preset(conf, "strategy", name) if name and name != NO_STRATEGY else None
-        target = str(load_preset(conf, "optimizer", choices["optimizer"]).get("_target_", ""))
+        # Without a preset name (the Python API with partial plan.choices): the composed config's own optimizer.
+        optimizer = choices.get("optimizer")
+        node = load_preset(conf, "optimizer", optimizer) if optimizer else (cfg.get("optimizer") or {})
+        target = str(node.get("_target_", ""))
         try:
             check_compatible(strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"))
         except IncompatibleConfigError:

@@ -28,6 +28,16 @@ def test_a_config_that_does_not_fit_gets_a_next_step_that_fits(tmp_path):
     assert result.to_dict()["next_step"] == result.next_step
 
 
+def test_the_python_api_with_partial_choices_gets_a_next_step(tmp_path):
+    # The notebook sets plan.choices to the groups it overrides only (no optimizer): the next-step search must take
+    # the composed config's optimizer, not fail with a KeyError.
+    cfg = compose_config(TOO_BIG, tmp_path, name="plan")
+    cfg.plan.choices = {"model": "llama_7b", "hardware": "a100_80gb", "precision": "bf16"}
+    result = plan(cfg)
+    assert result.estimate.fits is False
+    assert "fits: python train.py " in result.next_step
+
+
 def test_the_rich_screen_prints_the_next_step_not_run_it(tmp_path, capsys):
     plan_task(compose_config(TOO_BIG, tmp_path, name="plan"))
     out = capsys.readouterr().out
