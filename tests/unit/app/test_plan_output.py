@@ -31,7 +31,14 @@ def test_a_config_that_does_not_fit_gets_a_next_step_that_fits(tmp_path):
 def test_the_python_api_with_partial_choices_gets_a_next_step(tmp_path):
     # The notebook sets plan.choices to the groups it overrides only (no optimizer): the next-step search must take
     # the composed config's optimizer, not fail with a KeyError.
-    cfg = compose_config(TOO_BIG, tmp_path, name="plan")
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_trainopt.app.cli import CONFIG_DIR
+
+    HydraConfig.instance().cfg = None  # as in a notebook: no @hydra.main, so no runtime choices
+    with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
+        cfg = compose("plan", overrides=TOO_BIG)
     cfg.plan.choices = {"model": "llama_7b", "hardware": "a100_80gb", "precision": "bf16"}
     result = plan(cfg)
     assert result.estimate.fits is False
