@@ -318,21 +318,6 @@ def json_accumulation(user_json: dict[str, Any], micro: int, world: int, accumul
     )
 
 
-def _check_json_precision(user_json: dict[str, Any], trainer_precision: str) -> None:
-    """Refuse an ``fp16``/``bf16`` block the precision preset contradicts (``TrainOptDeepSpeedStrategy`` refuses it)."""
-    wants = {"fp16": trainer_precision.startswith("16"), "bf16": trainer_precision.startswith("bf16")}
-    for key, wanted in wants.items():
-        node = user_json.get(key)
-        if isinstance(node, dict) and node.get("enabled", False) and not wanted:
-            raise IncompatibleConfigError(
-                {f"strategy.config.{key}.enabled": True, "precision": trainer_precision},
-                f"the DeepSpeed config enables {key} but the Trainer precision is {trainer_precision!r}; the two "
-                "would disagree on the dtype of weights and inputs.",
-                f"remove the {key!r} block from the DeepSpeed JSON (the precision preset sets it) or pick the "
-                "matching precision preset.",
-            )
-
-
 def validate_like_train(cfg: DictConfig) -> None:
     """Run ``train.py``'s per-key checks (``app.validate.validate_config``) on a config planned for other hardware.
 
@@ -441,7 +426,9 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
     if layout.kind == "deepspeed":
         user_json = deepspeed_user_config(cfg.get("strategy"))
         if user_json is not None:
-            _check_json_precision(user_json, trainer_precision)
+            from lightning_trainopt.strategies.deepspeed_json import check_json_precision
+
+            check_json_precision(user_json, trainer_precision)
             accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
     return PlanInputs(
         model=gpt,

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.strategies.deepspeed_json import check_json_precision
 from lightning_trainopt.strategies.nvme_resume import restore_nvme_optimizer_state
 
 __all__ = ["TrainOptDeepSpeedStrategy", "to_deepspeed_cpu_adam"]
@@ -219,18 +220,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _format_config(self) -> None:
         assert isinstance(self.config, dict)
-        precision = self.precision_plugin.precision
-        wants = {"fp16": precision.startswith("16"), "bf16": precision.startswith("bf16")}
-        for key, wanted in wants.items():
-            node = self.config.get(key)
-            if isinstance(node, dict) and node.get("enabled", False) and not wanted:
-                raise IncompatibleConfigError(
-                    {f"strategy.config.{key}.enabled": True, "precision": precision},
-                    f"the DeepSpeed config enables {key} but the Trainer precision is {precision!r}; the two would "
-                    "disagree on the dtype of weights and inputs.",
-                    f"remove the {key!r} block from the DeepSpeed JSON (the precision preset sets it) or pick the "
-                    f"matching precision preset.",
-                )
+        check_json_precision(self.config, self.precision_plugin.precision)
         super()._format_config()
 
     @override
