@@ -215,6 +215,22 @@ def _check_scheduler(scheduler: DictConfig, max_steps: int) -> None:
     check_warmup_cosine(scheduler.get("warmup_steps", 0), max_steps, scheduler.get("min_lr_ratio", 0.0))
 
 
+def _check_callback_schedules(callbacks: DictConfig, max_steps: Any) -> None:
+    """A ``WarmupCosineLR`` callback's warmup against its total (``total_steps``, else ``trainer.max_steps``), by the
+    check it runs itself at fit start, so a warmup longer than the run is refused before training."""
+    for name, node in callbacks.items():
+        if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).endswith("WarmupCosineLR"):
+            continue
+        total = node.get("total_steps")
+        if total is None:
+            if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+                continue  # an epoch-based run: the total is known only once the data loaders exist
+            total = max_steps
+        check_warmup_cosine(
+            node.get("warmup_steps", 0), total, node.get("min_lr_ratio", 0.0), prefix=f"callbacks.{name}"
+        )
+
+
 def _check_data(data: DictConfig, model: DictConfig) -> None:
     seq_len = data.seq_len
     _positive_int("data.seq_len", seq_len, "use a positive sequence length.")
@@ -296,6 +312,8 @@ def validate_config(cfg: DictConfig) -> None:
         _check_optimizer(cfg.optimizer)
     if cfg.get("scheduler"):
         _check_scheduler(cfg.scheduler, trainer.max_steps)
+    if cfg.get("callbacks"):
+        _check_callback_schedules(cfg.callbacks, trainer.max_steps)
     _check_data(cfg.data, cfg.model)
     if cfg.get("hardware"):
         _check_hardware(cfg.hardware)

@@ -171,3 +171,23 @@ def test_text_file_without_path_names_data_path(tmp_path):
         instantiate(cfg.data)
     assert isinstance(from_module.value.__cause__, ConfigError)
     assert from_module.value.__cause__.key == "data.path"
+
+
+def test_a_warmup_cosine_callback_longer_than_the_run_is_refused_before_fit(tmp_path):
+    # The callback checks itself at fit start; train.py now checks it with the other keys, before anything is built.
+    cfg = compose_config(
+        ["callbacks=[default,warmup_cosine_lr]", "trainer.max_steps=20", "trainer.accelerator=cpu"], tmp_path
+    )
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == "callbacks.warmup_cosine_lr.warmup_steps"
+    ok = compose_config(
+        [
+            "callbacks=[default,warmup_cosine_lr]",
+            "trainer.max_steps=20",
+            "callbacks.warmup_cosine_lr.warmup_steps=5",
+            "trainer.accelerator=cpu",
+        ],
+        tmp_path,
+    )
+    validate_config(ok)
