@@ -128,6 +128,11 @@ def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "peak_bytes": e.peak_device_bytes,
         "cpu_bytes": mem.bytes(location="cpu"),
         "nvme_bytes": mem.bytes(location="nvme"),
+        # Host RAM of one node: the offloaded bytes of its ranks against it (the verdict is part of `fits`).
+        "host_bytes_per_node": e.host_bytes_per_node,
+        "host_memory_bytes": e.host_memory_bytes,
+        "host_fits": e.host_fits,
+        "device_fits": e.device_fits,
         # Resident bytes, as metrics.json's memory_breakdown snapshot (just before optimizer.step()) sees them.
         "memory_breakdown": {
             c: {loc: mem.bytes(c, loc, resident_only=True) for loc in LOCATIONS} for c in _STATE_CATEGORIES
@@ -357,7 +362,17 @@ def plan(cfg: DictConfig) -> PlanResult:
         # A measured speed belongs to the configuration that ran; every other candidate keeps the FLOPs model.
         peak = hardware.peak(compute_dtype_key(i.trainer_precision, on_cuda))
         tps = measured if i == inputs else None
-        return estimate_plan(i, hardware.memory_bytes, peak, hardware.price_per_device_hour, mfu, target, tps, headroom)
+        return estimate_plan(
+            i,
+            hardware.memory_bytes,
+            peak,
+            hardware.price_per_device_hour,
+            mfu,
+            target,
+            tps,
+            headroom,
+            hardware.host_memory_bytes,
+        )
 
     est = run(inputs)
     n = inputs.model.n_params()

@@ -238,17 +238,17 @@ def hardware_from_cfg(node: Any) -> HardwareSpec:
 
     Raises:
         ConfigError: a non-numeric or out-of-range override (``hardware.price_per_device_hour``, ``memory_gb``,
-            ``peak_tflops``) or an unknown device name.
+            ``host_memory_gb``, ``peak_tflops``) or an unknown device name.
     """
     node = _plain(node) or {}
-    for key in ("price_per_device_hour", "memory_gb"):
+    for key in ("price_per_device_hour", "memory_gb", "host_memory_gb"):
         value = node.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"hardware.{key}", value, "use a number (or null for the preset's figure).")
     peaks = node.get("peak_tflops")
     if peaks is not None and not isinstance(peaks, dict):
         raise ConfigError("hardware.peak_tflops", peaks, "use a mapping of dtype to TFLOP/s, e.g. {bf16: 800}.")
-    keys = ("name", "price_per_device_hour", "peak_tflops", "memory_gb")
+    keys = ("name", "price_per_device_hour", "peak_tflops", "memory_gb", "host_memory_gb")
     kwargs = {k: node[k] for k in keys if k in node}
     target = node.get("_target_")
     if target and not str(target).endswith("hardware_spec"):

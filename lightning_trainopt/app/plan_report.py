@@ -14,7 +14,8 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from lightning_trainopt.app.plan import PlanResult
-    from lightning_trainopt.core.estimate import PlanInputs
+    from lightning_trainopt.core.estimate import PlanEstimate, PlanInputs
+    from lightning_trainopt.core.hardware import HardwareSpec
 
 __all__ = ["PlanSweepCheck", "plan_choices", "print_plan", "refused_jobs", "train_command"]
 
@@ -159,17 +160,18 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
         "[bold]peak", "'all' + max(backward, step + in_step)", "", "", f"[bold]{_g(e.peak_device_bytes)}", "", ""
     )
     console.print(table)
-    if e.fits is None or e.device_memory_bytes is None:
+    if e.device_fits is None or e.device_memory_bytes is None:
         console.print("device memory unknown for this hardware: set hardware.memory_gb to get a verdict.")
     else:
-        verdict = "[green]fits" if e.fits else "[red]does NOT fit"
+        verdict = "[green]fits" if e.device_fits else "[red]does NOT fit"
         usable = e.device_memory_bytes - e.headroom_bytes
         head = f"{_g(usable)} GiB usable ({_g(e.device_memory_bytes)} GiB less {_g(e.headroom_bytes)} GiB headroom)"
         console.print(
             f"{verdict}[/]: peak {_g(e.peak_device_bytes)} of {head}, margin {_g(e.margin_bytes)} GiB"
-            if e.fits
+            if e.device_fits
             else f"{verdict}[/]: peak {_g(e.peak_device_bytes)} GiB of {head}"
         )
+    _print_host(e, hw, console)
     tb = result.textbook
     console.print(
         f"textbook check (ZeRO paper): fp32 Adam 4+4+8 = 16 B/param -> {tb['fp32']['total'] / 1e9:,.1f} GB; "
@@ -191,6 +193,24 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
         console.print(f"[red]next step:[/] {result.next_step}")
     elif result.command:
         console.print(f"run it: [bold]{result.command}")
+
+
+def _print_host(e: PlanEstimate, hw: HardwareSpec, console: Console) -> None:
+    """The host-RAM verdict of a configuration that offloads to CPU (nothing when nothing is offloaded)."""
+    per_node = e.host_bytes_per_node
+    if not per_node:
+        return
+    ranks = e.inputs.devices
+    used = f"{_g(per_node)} GiB offloaded per node ({_g(per_node // ranks)} GiB x {ranks} rank{'s' * (ranks > 1)})"
+    if e.host_fits is None:
+        console.print(f"host RAM: {used}; RAM of a node unknown: set hardware.host_memory_gb to get a verdict.")
+        return
+    verdict = "[green]fits" if e.host_fits else "[red]does NOT fit"
+    usable = e.host_usable_bytes or 0
+    console.print(
+        f"host RAM {verdict}[/]: {used} of {_g(usable)} GiB usable ({_g(e.host_memory_bytes or 0)} GiB less "
+        f"{e.headroom_fraction:.0%} for the processes; {hw.sources.get('host_memory', '')})"
+    )
 
 
 def _print_search(result: PlanResult, top_k: int, console: Console) -> None:

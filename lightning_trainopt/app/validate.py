@@ -274,6 +274,11 @@ def _check_hardware(hardware: DictConfig) -> None:
     memory = hardware.get("memory_gb")
     if memory is not None and not (_is_number(memory) and memory > 0):
         raise ConfigError("hardware.memory_gb", memory, f"{_not_a_string(memory)}use a positive size in GiB, e.g. 80.")
+    host = hardware.get("host_memory_gb")
+    if host is not None and not (_is_number(host) and host > 0):
+        raise ConfigError(
+            "hardware.host_memory_gb", host, f"{_not_a_string(host)}use the RAM of one node in GiB, e.g. 1024."
+        )
     peaks = hardware.get("peak_tflops")
     if peaks is not None and not isinstance(peaks, DictConfig):
         raise ConfigError(

@@ -37,6 +37,13 @@ _SRC_A10 = "NVIDIA A10 datasheet (a10-datasheet); A10G (AWS) taken as A10, dense
 _SRC_B200 = "NVIDIA DGX B200 datasheet: per-GPU = system / 8, dense = half of the 'with sparsity' figures"
 _SRC_PRICE_ISSUE = "project default (issue 4): on-demand cloud list price order of magnitude; override per provider"
 _USER_SET = "no default price: set hardware.price_per_device_hour"
+# Host RAM of one node: the reference 8-GPU cloud instance of each device (AWS EC2 instance-type specifications;
+# DGX datasheet for B200). Nodes differ: override with hardware.host_memory_gb for yours.
+_HOST_UNKNOWN = "unknown: set hardware.host_memory_gb (RAM of one node) for a verdict on offloaded bytes"
+
+
+def _host(instance: str, gib: int) -> tuple[int, str]:
+    return gib * _GIB, f"reference node {instance} (8 GPUs, {gib} GiB RAM); override hardware.host_memory_gb"
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,9 @@ class HardwareSpec:
         memory_bytes: device memory per device, ``None`` if unknown (CPU).
         peak_flops: dense peak FLOP/s per dtype key (see :data:`DTYPE_KEYS`); missing keys mean unknown.
         price_per_device_hour: dollars per device-hour, ``None`` when the user has not set one.
-        sources: where each figure comes from (``peak``, ``price``, ``memory``).
+        sources: where each figure comes from (``peak``, ``price``, ``memory``, ``host_memory``).
+        host_memory_bytes: host RAM of one node (what CPU offload fills, shared by the node's ranks), ``None`` if
+            unknown.
 
     Example::
 
@@ -61,6 +70,7 @@ class HardwareSpec:
     peak_flops: dict[str, float] = field(default_factory=dict)
     price_per_device_hour: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for key, value in self.peak_flops.items():
@@ -76,6 +86,8 @@ class HardwareSpec:
             )
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ConfigError("hardware.memory_gb", self.memory_bytes, "use a positive device memory size.")
+        if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
+            raise ConfigError("hardware.host_memory_gb", self.host_memory_bytes, "use a positive host RAM size.")
 
     def peak(self, dtype_key: str) -> float | None:
         """Dense peak FLOP/s for ``dtype_key``; ``None`` when this device has no known figure."""
@@ -88,6 +100,7 @@ class HardwareSpec:
             "memory_bytes": self.memory_bytes,
             "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
             "price_per_device_hour": self.price_per_device_hour,
+            "host_memory_bytes": self.host_memory_bytes,
             "sources": dict(self.sources),
         }
 
@@ -97,9 +110,17 @@ def _tf(**tflops: float) -> dict[str, float]:
 
 
 def _spec(
-    name: str, mem: int | None, peak: dict[str, float], src: str, price: float | None, price_src: str
+    name: str,
+    mem: int | None,
+    peak: dict[str, float],
+    src: str,
+    price: float | None,
+    price_src: str,
+    host: tuple[int, str] | None = None,
 ) -> HardwareSpec:
-    return HardwareSpec(name, mem, peak, price, {"peak": src, "memory": src, "price": price_src})
+    host_bytes, host_src = host if host else (None, _HOST_UNKNOWN)
+    sources = {"peak": src, "memory": src, "price": price_src, "host_memory": host_src}
+    return HardwareSpec(name, mem, peak, price, sources, host_bytes)
 
 
 #: Built-in presets, keyed by the names of ``conf/hardware/*.yaml``.
@@ -111,6 +132,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_A100,
         3.5,
         _SRC_PRICE_ISSUE,
+        _host("p4d.24xlarge", 1152),
     ),
     "a100_80gb": _spec(
         "a100_80gb",
@@ -119,6 +141,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_A100,
         4.8,
         _SRC_PRICE_ISSUE,
+        _host("p4de.24xlarge", 1152),
     ),
     "h100_sxm": _spec(
         "h100_sxm",
@@ -127,6 +150,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_H100,
         8.2,
         _SRC_PRICE_ISSUE,
+        _host("p5.48xlarge", 2048),
     ),
     "h100_pcie": _spec(
         "h100_pcie",
@@ -143,6 +167,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_H200,
         None,
         _USER_SET,
+        _host("p5e.48xlarge", 2048),
     ),
     "b200": _spec(
         "b200",
@@ -151,6 +176,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_B200,
         None,
         _USER_SET,
+        (2048 * _GIB, "DGX B200 datasheet: 2 TB system memory (up to 4 TB); override hardware.host_memory_gb"),
     ),
     "l40s": _spec(
         "l40s",
@@ -159,12 +185,25 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_L40S,
         None,
         _USER_SET,
+        _host("g6e.48xlarge", 1536),
     ),
     "l4": _spec(
-        "l4", 24 * _GIB, _tf(fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5, int8=242.5), _SRC_L4, None, _USER_SET
+        "l4",
+        24 * _GIB,
+        _tf(fp32=30.3, tf32=60, bf16=121, fp16=121, fp8=242.5, int8=242.5),
+        _SRC_L4,
+        None,
+        _USER_SET,
+        _host("g6.48xlarge", 768),
     ),
     "a10g": _spec(
-        "a10g", 24 * _GIB, _tf(fp32=31.2, tf32=62.5, bf16=125, fp16=125, int8=250), _SRC_A10, None, _USER_SET
+        "a10g",
+        24 * _GIB,
+        _tf(fp32=31.2, tf32=62.5, bf16=125, fp16=125, int8=250),
+        _SRC_A10,
+        None,
+        _USER_SET,
+        _host("g5.48xlarge", 768),
     ),
     "cpu": HardwareSpec(
         "cpu",
@@ -175,6 +214,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             "peak": "unknown: set +hardware.peak_tflops.<dtype>=<TFLOP/s> for MFU on CPU",
             "memory": "unknown",
             "price": _USER_SET,
+            "host_memory": _HOST_UNKNOWN,
         },
     ),
 }
@@ -213,17 +253,40 @@ def preset_for_device_name(device_name: str, total_memory_bytes: int | None = No
     return None
 
 
+def _this_host_memory() -> int | None:
+    """RAM of the machine this process runs on (``None`` where the OS does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def detect_hardware() -> HardwareSpec:
-    """The preset of this process's current CUDA device, or ``cpu`` (unknown CUDA devices keep only their memory)."""
+    """The preset of this process's current CUDA device, or ``cpu`` (unknown CUDA devices keep only their memory).
+
+    The host RAM is this machine's, whatever the preset's reference node has.
+    """
     import torch
 
+    host = _this_host_memory()
+    host_src = "this machine's RAM (hardware=auto)" if host else _HOST_UNKNOWN
     if not torch.cuda.is_available():
-        return HARDWARE["cpu"]
+        spec = HARDWARE["cpu"]
+        return replace(spec, host_memory_bytes=host, sources={**spec.sources, "host_memory": host_src})
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     key = preset_for_device_name(props.name, props.total_memory)
     if key is None:
-        return HardwareSpec(props.name, props.total_memory, {}, None, {"peak": "unknown device", "price": _USER_SET})
-    return replace(HARDWARE[key], memory_bytes=props.total_memory)
+        sources = {"peak": "unknown device", "price": _USER_SET, "host_memory": host_src}
+        return HardwareSpec(props.name, props.total_memory, {}, None, sources, host)
+    spec = HARDWARE[key]
+    return replace(
+        spec,
+        memory_bytes=props.total_memory,
+        host_memory_bytes=host,
+        sources={**spec.sources, "host_memory": host_src},
+    )
 
 
 def hardware_spec(
@@ -231,6 +294,7 @@ def hardware_spec(
     price_per_device_hour: float | None = None,
     peak_tflops: dict[str, float] | None = None,
     memory_gb: float | None = None,
+    host_memory_gb: float | None = None,
 ) -> HardwareSpec:
     """Build a :class:`HardwareSpec` from a preset name with user overrides (the ``_target_`` of ``conf/hardware``).
 
@@ -239,6 +303,7 @@ def hardware_spec(
         price_per_device_hour: override the price (dollars per device-hour).
         peak_tflops: override peaks per dtype key, in TFLOP/s, e.g. ``{"bf16": 800}``.
         memory_gb: override the device memory in GiB.
+        host_memory_gb: override the host RAM of one node in GiB (what CPU offload fills).
 
     Raises:
         ConfigError: unknown preset name or bad override.
@@ -274,7 +339,13 @@ def hardware_spec(
             raise ConfigError("hardware.memory_gb", memory_gb, "use a positive size in GiB.")
         memory = int(memory_gb * _GIB)
         sources["memory"] = "user-set"
-    return HardwareSpec(spec.name, memory, peaks, price, sources)
+    host = spec.host_memory_bytes
+    if host_memory_gb is not None:
+        if isinstance(host_memory_gb, bool) or not isinstance(host_memory_gb, (int, float)) or not host_memory_gb > 0:
+            raise ConfigError("hardware.host_memory_gb", host_memory_gb, "use the RAM of one node in GiB, e.g. 1024.")
+        host = int(host_memory_gb * _GIB)
+        sources["host_memory"] = "user-set"
+    return HardwareSpec(spec.name, memory, peaks, price, sources, host)
 
 
 def compute_dtype_key(trainer_precision: str, on_cuda: bool, float32_matmul_precision: str = "highest") -> str:

@@ -98,6 +98,10 @@ class PlanEstimate:
         train_flops_per_token: FLOPs the hardware executes per token (recomputation included).
         headroom_bytes: device memory kept free for what the planner does not count (CUDA context, NCCL buffers,
             allocator fragmentation); ``fits`` needs the peak to fit in the rest.
+        host_memory_bytes: host RAM of one node (``None`` when unknown): the offloaded bytes of the node's ranks
+            must fit in it, less the same headroom fraction (each rank's process, its CUDA context and data loader
+            workers, which the planner does not count).
+        headroom_fraction: the share of device and host memory kept free.
     """
 
     inputs: PlanInputs
@@ -106,6 +110,8 @@ class PlanEstimate:
     device_memory_bytes: int | None
     train_flops_per_token: float
     headroom_bytes: int = 0
+    host_memory_bytes: int | None = None
+    headroom_fraction: float = 0.0
 
     @property
     def total_device_bytes(self) -> int:
@@ -118,11 +124,42 @@ class PlanEstimate:
         return self.memory.peak()
 
     @property
-    def fits(self) -> bool | None:
+    def device_fits(self) -> bool | None:
         """Whether the predicted peak fits the device's memory less the headroom (``None`` when unknown)."""
         if self.device_memory_bytes is None:
             return None
         return self.peak_device_bytes <= self.device_memory_bytes - self.headroom_bytes
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Bytes offloaded to host RAM by the ranks of one node (per-rank CPU bytes x devices per node)."""
+        return self.memory.bytes(location="cpu") * self.inputs.devices
+
+    @property
+    def host_usable_bytes(self) -> int | None:
+        """Host RAM of one node less the headroom fraction (``None`` when unknown)."""
+        if self.host_memory_bytes is None:
+            return None
+        return self.host_memory_bytes - int(self.headroom_fraction * self.host_memory_bytes)
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the node's offloaded bytes fit its usable host RAM (``None``: RAM unknown and something is
+        offloaded; ``True`` when nothing is)."""
+        if not self.host_bytes_per_node:
+            return True
+        usable = self.host_usable_bytes
+        return None if usable is None else self.host_bytes_per_node <= usable
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the configuration fits: the device peak fits the device, and the offloaded bytes the host.
+
+        ``False`` when either is known not to fit; ``None`` when the device memory is unknown.
+        """
+        if self.host_fits is False:
+            return False
+        return self.device_fits
 
     @property
     def margin_bytes(self) -> int | None:
@@ -141,6 +178,7 @@ def estimate_plan(
     target_tokens: float = 1e9,
     measured_tokens_per_sec_per_device: float | None = None,
     headroom_fraction: float = 0.0,
+    host_memory_bytes: int | None = None,
 ) -> PlanEstimate:
     """Estimate memory, speed and cost of one configuration.
 
@@ -152,7 +190,9 @@ def estimate_plan(
         mfu: assumed fraction of the peak sustained.
         target_tokens: tokens to train, for time and dollars to target.
         measured_tokens_per_sec_per_device: a measured figure that replaces the FLOPs model.
-        headroom_fraction: share of the device memory kept free (CUDA context, NCCL, fragmentation), in [0, 1).
+        headroom_fraction: share of the device memory kept free (CUDA context, NCCL, fragmentation), in [0, 1);
+            the same share of the host RAM is kept free for the ranks' processes.
+        host_memory_bytes: host RAM of one node, for the verdict on offloaded bytes (``None``: unknown).
 
     Raises:
         ConfigError: ``headroom_fraction`` outside [0, 1).
@@ -197,4 +237,6 @@ def estimate_plan(
         measured_tokens_per_sec_per_device,
     )
     headroom = int(headroom_fraction * device_memory_bytes) if device_memory_bytes else 0
-    return PlanEstimate(inputs, states + acts, speed, device_memory_bytes, per_token, headroom)
+    return PlanEstimate(
+        inputs, states + acts, speed, device_memory_bytes, per_token, headroom, host_memory_bytes, headroom_fraction
+    )

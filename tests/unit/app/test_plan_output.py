@@ -173,3 +173,63 @@ def test_a_search_where_nothing_fits_says_what_to_search_next(tmp_path, capsys):
     out = capsys.readouterr().out.replace("\n", " ")
     assert "no configuration fits on 4 x a100_80gb" in out
     assert "trainer.devices=8 plan.search=true" in out
+
+
+# ZeRO-3 with parameters and optimizer offloaded to CPU: 7B on 8 devices puts ~126 GiB of states in a node's RAM.
+OFFLOAD = ["model=llama_7b", "hardware=a100_80gb", "trainer.devices=8", "+strategy=zero3_offload", "precision=bf16"]
+
+
+def test_offloaded_bytes_are_checked_against_the_nodes_ram(tmp_path):
+    d = plan(compose_config([*OFFLOAD, "activations=checkpoint"], tmp_path, name="plan")).to_dict()
+    assert d["cpu_bytes"] > 0
+    assert d["host_bytes_per_node"] == 8 * d["cpu_bytes"]
+    assert d["host_memory_bytes"] == 1152 * 2**30  # the preset's reference node (p4de.24xlarge)
+    assert d["host_fits"] is True
+    assert d["device_fits"] is True
+    assert d["fits"] is True
+    # The same run on a node with 64 GiB of RAM: the devices have room, the host has not.
+    small = plan(
+        compose_config([*OFFLOAD, "activations=checkpoint", "hardware.host_memory_gb=64"], tmp_path, name="plan")
+    )
+    e = small.estimate
+    assert e.device_fits is True
+    assert e.host_bytes_per_node > e.host_usable_bytes == 64 * 2**30 - int(0.05 * 64 * 2**30)
+    assert e.host_fits is False
+    assert e.fits is False
+    # The next step leaves the offload: a strategy that fits the devices without the host's RAM.
+    command = small.next_step.split("fits: ", 1)[1].split("  (or", 1)[0]
+    suggested = plan(compose_config([*command.split()[2:]], tmp_path, name="plan"))
+    assert suggested.estimate.fits is True
+    assert suggested.estimate.host_bytes_per_node <= suggested.estimate.host_usable_bytes
+
+
+def test_without_offload_the_host_check_passes_and_prints_nothing(tmp_path, capsys):
+    result = plan_task(
+        compose_config([*ZERO2, "activations=checkpoint", "hardware.host_memory_gb=1"], tmp_path, name="plan")
+    )
+    assert result.estimate.host_bytes_per_node == 0
+    assert result.estimate.host_fits is True
+    assert result.estimate.fits is True
+    assert "host RAM" not in capsys.readouterr().out
+
+
+def test_the_rich_screen_gives_the_host_verdict(tmp_path, capsys):
+    plan_task(compose_config([*OFFLOAD, "hardware.host_memory_gb=64"], tmp_path, name="plan"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "host RAM does NOT fit" in out
+    assert "of 60.80 GiB usable (64.00 GiB less 5% for the processes; user-set)" in out
+    plan_task(compose_config([*OFFLOAD, "hardware=h100_pcie"], tmp_path, name="plan"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "RAM of a node unknown: set hardware.host_memory_gb" in out
+
+
+def test_the_search_drops_offload_plans_the_host_cannot_hold(tmp_path):
+    space = "plan.search_space.strategy=[zero3_offload,zero2_offload,zero3]"
+    roomy = plan(compose_config([*OFFLOAD, "plan.search=true", space], tmp_path, name="plan"))
+    tight = plan(
+        compose_config([*OFFLOAD, "plan.search=true", space, "hardware.host_memory_gb=64"], tmp_path, name="plan")
+    )
+    strategies = lambda r: {c.choices["strategy"] for c in r.candidates}  # noqa: E731
+    assert "zero3_offload" in strategies(roomy)
+    assert "zero3_offload" not in strategies(tight)
+    assert all(c.estimate.host_fits is not False for c in tight.candidates)

@@ -96,6 +96,8 @@ def test_machine_checks_do_not_apply_to_planned_hardware(tmp_path):
         ("hardware.price_per_device_hour=-2", "hardware.price_per_device_hour"),
         ("hardware.price_per_device_hour=abc", "hardware.price_per_device_hour"),
         ("hardware.memory_gb=-1", "hardware.memory_gb"),
+        ("hardware.host_memory_gb=-1", "hardware.host_memory_gb"),
+        ("hardware.host_memory_gb=abc", "hardware.host_memory_gb"),
         ("hardware.peak_tflops={bf16:-1}", "hardware.peak_tflops.bf16"),
         ("hardware.peak_tflops=5", "hardware.peak_tflops"),
         ("plan.mfu=abc", "plan.mfu"),

@@ -73,6 +73,7 @@ def test_text_file_path_is_checked(tmp_path, path_kind):
         ("hardware.price_per_device_hour=abc", "hardware.price_per_device_hour", "give a number; use dollars"),
         ("hardware.price_per_device_hour=-2.0", "hardware.price_per_device_hour", "number >= 0"),
         ("hardware.memory_gb=abc", "hardware.memory_gb", "positive size in GiB"),
+        ("hardware.host_memory_gb=-2", "hardware.host_memory_gb", "RAM of one node in GiB"),
         ("model.max_seq_len=abc", "model.max_seq_len", "positive number of tokens"),
         ("data.val_fraction=abc", "data.val_fraction", "fraction between 0 and 1"),
         # Accepted as truthy before.

@@ -13,7 +13,7 @@ from lightning_trainopt.exceptions import ConfigError
 
 def test_every_preset_has_sources_and_dense_peaks():
     for key, spec in HARDWARE.items():
-        assert {"peak", "price", "memory"} <= set(spec.sources), key
+        assert {"peak", "price", "memory", "host_memory"} <= set(spec.sources), key
         if spec.peak_flops:
             # Dense bf16 is never above twice fp16's figure nor below fp32's on these chips.
             assert spec.peak("bf16") >= spec.peak("fp32"), key
@@ -40,10 +40,36 @@ def test_overrides_and_sources():
     assert spec.memory_bytes == 80 * 2**30
 
 
+def test_host_memory_is_the_reference_nodes_and_overridable():
+    # AWS p4d/p4de: 8 x A100 with 1152 GiB; p5/p5e: 8 x H100/H200 with 2048 GiB; g5.48xlarge: 8 x A10G, 768 GiB.
+    assert hardware_spec("a100_40gb").host_memory_bytes == 1152 * 2**30
+    assert hardware_spec("a100_80gb").host_memory_bytes == 1152 * 2**30
+    assert hardware_spec("h100").host_memory_bytes == 2048 * 2**30
+    assert hardware_spec("h200").host_memory_bytes == 2048 * 2**30
+    assert hardware_spec("a10g").host_memory_bytes == 768 * 2**30
+    assert "p5.48xlarge" in hardware_spec("h100").sources["host_memory"]
+    # No standard node for a PCIe card, nor for "cpu": unknown, and the source says how to set it.
+    assert hardware_spec("h100_pcie").host_memory_bytes is None
+    assert "hardware.host_memory_gb" in hardware_spec("cpu").sources["host_memory"]
+    spec = hardware_spec("h100", host_memory_gb=512)
+    assert spec.host_memory_bytes == 512 * 2**30
+    assert spec.sources["host_memory"] == "user-set"
+    assert spec.to_dict()["host_memory_bytes"] == 512 * 2**30
+
+
+def test_auto_takes_this_machines_ram():
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert hardware_spec("auto").host_memory_bytes == ram
+
+
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
         ({"name": "tpu9"}, "hardware.name"),
+        ({"name": "l4", "host_memory_gb": 0}, "hardware.host_memory_gb"),
+        ({"name": "l4", "host_memory_gb": "1TB"}, "hardware.host_memory_gb"),
         ({"name": "l4", "price_per_device_hour": -1.0}, "hardware.price_per_device_hour"),
         ({"name": "l4", "peak_tflops": {"bf16": 0}}, "hardware.peak_tflops.bf16"),
         ({"name": "l4", "peak_tflops": {"bf17": 10}}, "hardware.peak_tflops.bf17"),
