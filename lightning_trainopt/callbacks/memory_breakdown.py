@@ -47,10 +47,11 @@ class MemoryBreakdown(Callback):
     step (the largest micro-batch under accumulation). On CUDA, ``peak`` is the allocator's peak over that step and
     ``other`` = peak - (params + grads + optimizer states + activations): temporaries, workspace, fragmentation.
     On CPU there are no allocator statistics, so ``other`` and ``peak_memory_bytes`` are ``None``.
-    ``activations_weight_copies`` is the part of ``activations`` that autocast's half-precision copies of trainable
-    weights take (saved for the input gradient; it does not shrink with the micro-batch, but checkpointing and int8
-    compression cut it like any saved tensor). A step whose ``training_step`` returns ``None`` (no backward) is not
-    measured; the next one is.
+    ``activations_weight_copies`` is the part of ``activations`` that autocast's half-precision copies of weights take
+    (saved for the input gradient; it does not shrink with the micro-batch, but checkpointing and int8 compression cut
+    it like any saved tensor). Copies of frozen weights (a LoRA/PEFT model's base under ``bf16-mixed``) are in it:
+    the counter is given the module's parameters and matches a cast without autograd history by shape and value.
+    A step whose ``training_step`` returns ``None`` (no backward) is not measured; the next one is.
 
     Each requested step is measured at the first optimizer step at or after it: under manual optimization with two
     optimizers ``global_step`` moves by 2 a batch (0, 2, 4, ...), so ``at_steps=[1]`` measures step 2. Requested steps

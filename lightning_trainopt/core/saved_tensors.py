@@ -7,6 +7,9 @@ counts them through ``torch.autograd.graph.saved_tensors_hooks``:
   a storage counts whole (a small view of a big tensor keeps the big tensor alive);
 - tensors that share storage with a parameter (a ``Linear`` saves its weight) are reported apart as
   ``parameter_bytes``: they are model states, not activations;
+- autocast's half-precision casts of parameters, saved for the input gradient, are activations but are also reported
+  as ``weight_copy_bytes`` (they do not grow with the micro-batch): a cast of a trainable parameter is traced through
+  autograd, a cast of a frozen one (LoRA's base weights) is matched by shape and value against the ``params`` given;
 - what is counted is what is **really kept**. A memory technique that changes what is stored (8-bit
   compression, CPU offload) registers a :class:`SavedTensorsTransform` through :func:`transform_saved_tensors`;
   the counter then counts the transform's output (int8 data + scales, a CPU copy), not the original. Non-reentrant
@@ -78,9 +81,9 @@ class SavedTensorsReport:
         n_storages: number of unique non-parameter storages counted.
         by_device: ``activation_bytes`` split by device type (``cpu``, ``cuda``), e.g. to show offload.
         by_dtype: ``activation_bytes`` split by dtype name (``float32``, ``int8``, ...).
-        weight_copy_bytes: the part of ``activation_bytes`` that is dtype casts of trainable parameters (autocast's
+        weight_copy_bytes: the part of ``activation_bytes`` that is dtype casts of parameters (autocast's
             half-precision weight copies, kept for the input gradient): it does not grow with the micro-batch.
-            Casts of frozen parameters cannot be traced back to them and are not in it.
+            Casts of frozen parameters are in it when the counter was given them as ``params``.
     """
 
     activation_bytes: int
@@ -146,13 +149,25 @@ def is_weight_copy(t: torch.Tensor) -> bool:
     """Whether ``t`` (or the tensor it views) is a dtype cast of a trainable ``nn.Parameter``, as autocast makes.
 
     Traced through autograd: the cast's ``ToCopyBackward0`` node leads straight to the parameter's gradient
-    accumulator. A cast of a frozen parameter has no such node and is not recognised.
+    accumulator. A cast of a frozen parameter has no autograd history and is not recognised here;
+    :class:`SavedTensorsCounter` recognises it by shape and value among the ``params`` it is given.
     """
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     return any(isinstance(getattr(nxt, "variable", None), torch.nn.Parameter) for nxt, _ in fn.next_functions)
+
+
+def _is_cast_of(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether plain tensor ``t`` holds exactly ``p``'s values cast to ``t``'s dtype (shapes already equal)."""
+    w = p.detach()
+    if type(w) is not torch.Tensor or w.device != t.device or w.dtype == t.dtype or not w.is_floating_point():
+        return False  # sharded (DTensor) or quantized parameters are not compared: no collective, no dequantizing
+    # One row first, so a tensor that merely has a parameter's shape costs a row, not a whole cast of the weight.
+    if t.dim() and not torch.equal(t[0], w[0].to(t.dtype)):
+        return False
+    return torch.equal(t, w.to(t.dtype))
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -174,7 +189,9 @@ class SavedTensorsCounter:
     Args:
         params: parameters whose storages are reported as ``parameter_bytes`` rather than activations.
             ``nn.Parameter`` instances and views of leaf tensors that require grad are recognised without it;
-            pass it where parameters are swapped for gathered copies (ZeRO-3, FSDP).
+            pass it where parameters are swapped for gathered copies (ZeRO-3, FSDP). A saved tensor without autograd
+            history equal to one of them cast to another dtype (autocast's copy of a frozen weight, or a view of it)
+            counts in ``weight_copy_bytes``; only tensors shaped like a parameter are compared, once per storage.
 
     Example::
 
@@ -185,10 +202,12 @@ class SavedTensorsCounter:
 
     def __init__(self, params: Iterable[torch.Tensor] | None = None) -> None:
         self._param_keys: set[tuple[str, int]] = set()
-        if params is not None:
-            for p in params:
-                device, ptr, _ = _storage_key(p)
-                self._param_keys.add((device, ptr))
+        self._params_by_shape: dict[torch.Size, list[torch.Tensor]] = {}
+        for p in params if params is not None else ():
+            device, ptr, _ = _storage_key(p)
+            self._param_keys.add((device, ptr))
+            if p.numel() and p.device.type != "meta":
+                self._params_by_shape.setdefault(p.shape, []).append(p)
         self.peak = 0
         self.peak_weight_copy_bytes = 0
         self.n_marks = 0
@@ -199,6 +218,7 @@ class SavedTensorsCounter:
         self._storages: dict[tuple[Any, ...], tuple[int, str, str]] = {}
         self._param_storages: dict[tuple[Any, ...], int] = {}
         self._copy_keys: set[tuple[Any, ...]] = set()
+        self._cast_checked: dict[tuple[Any, ...], tuple[Any, bool]] = {}
         self._refs: dict[tuple[Any, ...], Any] = {}
         self._retired: list[tuple[tuple[Any, ...], int]] = []
         self._generation = 0
@@ -215,14 +235,14 @@ class SavedTensorsCounter:
             self.peak, self.peak_weight_copy_bytes = now, report.weight_copy_bytes
         self.n_marks += 1
         self._storages, self._param_storages, self._n_saved = {}, {}, 0
-        self._copy_keys = set()
+        self._copy_keys, self._cast_checked = set(), {}
         self._refs, self._retired = {}, []
         return now
 
     def record(self, stored: Any, original: torch.Tensor) -> None:
         """Count what is really kept for ``original``: ``stored`` is a tensor or a nest of tensors."""
         self._n_saved += 1
-        weight_copy = is_weight_copy(original)
+        weight_copy = is_weight_copy(original) or self._is_frozen_weight_copy(original)
         for t in _tensors_in(stored):
             device, ptr, nbytes = _storage_key(t)
             key: tuple[Any, ...] = (device, ptr)
@@ -242,6 +262,24 @@ class SavedTensorsCounter:
                 self._storages[key] = (nbytes, t.device.type, str(t.dtype).removeprefix("torch."))
                 if weight_copy:
                     self._copy_keys.add(key)
+
+    def _is_frozen_weight_copy(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the tensor it views) is a cast, without autograd history, of one of ``params``."""
+        base = t._base if t._base is not None else t
+        if type(base) is not torch.Tensor or base.grad_fn is not None or not base.is_floating_point():
+            return False
+        candidates = self._params_by_shape.get(base.shape)
+        if not candidates:
+            return False
+        key = _storage_key(base)
+        ref, known = self._cast_checked.get(key, (None, False))
+        if ref is not None and ref() is not None:
+            return known
+        found = any(_is_cast_of(base, p) for p in candidates)
+        ref = _storage_ref(base)
+        if ref is not None:
+            self._cast_checked[key] = (ref, found)
+        return found
 
     def _retired_generation(self, key: tuple[Any, ...]) -> int:
         for old, generation in reversed(self._retired):

@@ -1,3 +1,4 @@
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -144,3 +145,40 @@ def test_a_step_without_backward_is_not_recorded_as_zeros():
     tiny_trainer([cb], max_steps=2).fit(module, tiny_data(batch_size=4, seq_len=16))
     assert list(cb.results) == [1]
     assert cb.results[1]["activations"] == _expected_activations(module) > 0
+
+
+class _FrozenBase(pl.LightningModule):
+    """LoRA-style: a frozen fp32 base between trained layers, so its bf16 copies are saved for the input gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 32)
+        self.base = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+        self.base.requires_grad_(False)
+        self.head = torch.nn.Linear(32, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.base(self.inp(batch[0]))).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def test_bf16_mixed_counts_copies_of_frozen_weights_and_oom_advice_leaves_them_out(monkeypatch):
+    from lightning_trainopt.callbacks import _oom_advice
+
+    cb = MemoryBreakdown(at_steps=[0])
+    tiny_trainer([cb], max_steps=1, precision="bf16-mixed").fit(_FrozenBase(), _loader())
+    row = cb.results[0]
+    # Both frozen base weights' bf16 copies plus the trained head's; `inp` saves none (its input needs no gradient).
+    frozen, head = 2 * (32 * 32), 32 * 1
+    assert row["activations_weight_copies"] == 2 * (frozen + head)
+    assert row["activations"] > row["activations_weight_copies"]
+    # The OOM advice (as MemorySnapshot builds it from this row) halves only the part that scales with the batch.
+    monkeypatch.setattr(_oom_advice, "_GIB", 1)  # print bytes, so tiny figures are not rounded to 0.00
+    keys = ("params", "grads", "optimizer_states", "activations", "activations_weight_copies")
+    lines = _oom_advice.oom_advice({k: row[k] for k in keys}, micro_batch=4)
+    per_batch = row["activations"] - 2 * (frozen + head)
+    assert any(
+        "halve the micro-batch (4 -> 2)" in line and f"about {per_batch / 2:.2f} GiB less" in line for line in lines
+    )

@@ -156,8 +156,9 @@ def test_meta_tensors_pass_through_transform_and_counters_untouched() -> None:
 
 
 def test_autocast_weight_copies_are_reported_apart_inside_activations() -> None:
-    # Under autocast each Linear saves a bf16 copy of its trainable weight for the input gradient: real bytes
-    # saved for backward (activations), but fixed per step. A frozen weight's copy cannot be traced to it.
+    # Under autocast each Linear saves a bf16 copy of its weight for the input gradient: real bytes saved for
+    # backward (activations), but fixed per step. The trained weight's copy is traced through autograd, the frozen
+    # one's (no autograd history) is matched against the parameters given to the counter.
     torch.manual_seed(0)
     trained, frozen = nn.Linear(64, 32, bias=False), nn.Linear(32, 16, bias=False).requires_grad_(False)
     x = torch.randn(8, 64, requires_grad=True)
@@ -165,11 +166,85 @@ def test_autocast_weight_copies_are_reported_apart_inside_activations() -> None:
     with SavedTensorsCounter(params=params) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
         y = frozen(trained(x))
     report = counter.report()
-    assert report.weight_copy_bytes == 64 * 32 * 2  # the trained weight's bf16 copy only
-    # Also saved: the frozen weight's copy (for the input gradient) and the input's own bf16 cast (x is a leaf, not
-    # a parameter), both activations; the frozen layer's input is not saved (no weight gradient to compute).
-    assert report.activation_bytes == 64 * 32 * 2 + 32 * 16 * 2 + 8 * 64 * 2
+    copies = 64 * 32 * 2 + 32 * 16 * 2
+    assert report.weight_copy_bytes == copies
+    # Also saved: the input's own bf16 cast (x is a leaf, not a parameter), an ordinary activation; the frozen layer's
+    # input is not saved (no weight gradient to compute).
+    assert report.activation_bytes == copies + 8 * 64 * 2
     assert counter.mark() == report.activation_bytes
-    assert (counter.peak, counter.peak_weight_copy_bytes, counter.n_marks) == (report.activation_bytes, 64 * 32 * 2, 1)
+    assert (counter.peak, counter.peak_weight_copy_bytes, counter.n_marks) == (report.activation_bytes, copies, 1)
     y.float().sum().backward()
     assert trained.weight.grad is not None
+
+
+def test_frozen_weight_copy_is_matched_by_value_not_by_shape() -> None:
+    # A frozen fp32 base (LoRA-style) under bf16 autocast: the bf16 cast is a fresh tensor without grad_fn, saved
+    # transposed (a view of the cast). Tensors that only share the weight's shape and dtype are activations.
+    torch.manual_seed(0)
+    base, head = nn.Linear(32, 16, bias=False).requires_grad_(False), nn.Linear(16, 4, bias=False)
+    h = torch.randn(8, 32, requires_grad=True)
+    a = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    lookalike = torch.randn(16, 32).to(torch.bfloat16)  # differs in the first row already
+    near_copy = base.weight.detach().to(torch.bfloat16)
+    near_copy[-1, -1] += 1  # equal to the copy except its last element
+    with SavedTensorsCounter(params=[*base.parameters(), *head.parameters()]) as counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = head(base(h))
+        z = a * lookalike + a * near_copy  # each product saves the other factor for a's gradient
+    report = counter.report()
+    assert report.weight_copy_bytes == 16 * 32 * 2 + 4 * 16 * 2  # base's copy (frozen) + head's copy (trained)
+    # Also saved, as activations: base's bf16 output (for head's weight gradient) and the two lookalikes. The frozen
+    # layer's input is not saved (no weight gradient to compute).
+    assert report.activation_bytes == report.weight_copy_bytes + 8 * 16 * 2 + 2 * (16 * 32 * 2)
+    assert report.parameter_bytes == 0
+    (y.float().sum() + z.float().sum()).backward()
+    assert head.weight.grad is not None
+
+
+def test_a_storage_saved_by_every_layer_is_compared_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An attention mask shaped like a weight, saved by every layer, costs one comparison, not one per save.
+    from lightning_trainopt.core import saved_tensors
+
+    calls: list[int] = []
+    real = saved_tensors._is_cast_of
+
+    def counting(t: torch.Tensor, p: torch.Tensor) -> bool:
+        calls.append(1)
+        return real(t, p)
+
+    monkeypatch.setattr(saved_tensors, "_is_cast_of", counting)
+    frozen = nn.Linear(8, 8, bias=False).requires_grad_(False)
+    mask = torch.rand(8, 8).to(torch.bfloat16)
+    h = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    with SavedTensorsCounter(params=frozen.parameters()) as counter:
+        for _ in range(4):
+            h = h * mask
+    assert counter.report().weight_copy_bytes == 0
+    assert len(calls) == 1
+
+
+def test_peft_lora_copies_of_frozen_base_weights_are_counted() -> None:
+    peft = pytest.importorskip("peft")
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(32, 24), nn.Linear(24, 16), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Tiny(), peft.LoraConfig(r=4, target_modules=["a", "b"]))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]  # bases, lora_A/B, head
+    frozen = sum(m.weight.numel() for m in linears if not m.weight.requires_grad)
+    trained = sum(m.weight.numel() for m in linears if m.weight.requires_grad)
+    assert frozen == 24 * 32 + 16 * 24 + 4 * 16
+    # Hidden states from earlier trained layers require grad, so every Linear saves its weight's bf16 copy.
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    with SavedTensorsCounter(params=model.parameters()) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    report = counter.report()
+    assert report.weight_copy_bytes == 2 * (frozen + trained)
+    assert report.parameter_bytes == 0
+    y.float().sum().backward()
