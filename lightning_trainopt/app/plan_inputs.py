@@ -135,6 +135,12 @@ def _json_layout(name: str, ds: dict[str, Any]) -> StrategyLayout:
 
     overlap = zero.get("overlap_comm")
     contiguous = zero.get("contiguous_gradients", True)
+    opt_swap = _offload_block(zero, "offload_optimizer")
+    param_swap = _offload_block(zero, "offload_param")
+
+    def swap(block: dict[str, Any], name: str, field: str, default: int, minimum: int) -> int:
+        return _whole(f"{key}.{name}.{field}", block[field], minimum) if field in block else default
+
     return StrategyLayout(
         name=name,
         kind="deepspeed",
@@ -151,7 +157,19 @@ def _json_layout(name: str, ds: dict[str, Any]) -> StrategyLayout:
         prefetch_bucket_size=count("prefetch_bucket_size", 50_000_000, alias="stage3_prefetch_bucket_size"),
         max_live_parameters=count("max_live_parameters", 1_000_000_000, alias="stage3_max_live_parameters"),
         max_reuse_distance=count("max_reuse_distance", 1_000_000_000, alias="stage3_max_reuse_distance"),
+        # DeepSpeed's defaults (runtime/zero/config.py, offload_config.py): 1e9-element sub-groups, unlike Lightning.
+        sub_group_size=count("sub_group_size", 1_000_000_000),
+        optimizer_buffer_count=swap(opt_swap, "offload_optimizer", "buffer_count", 4, 1),
+        params_buffer_count=swap(param_swap, "offload_param", "buffer_count", 5, 1),
+        params_buffer_size=swap(param_swap, "offload_param", "buffer_size", 100_000_000, 1),
+        max_in_cpu=swap(param_swap, "offload_param", "max_in_cpu", 1_000_000_000, 0),
     )
+
+
+def _offload_block(zero: dict[str, Any], block: str) -> dict[str, Any]:
+    """``zero_optimization.<block>`` as a mapping (``{}`` when absent; its type is checked by ``_offload_device``)."""
+    node = zero.get(block)
+    return node if isinstance(node, dict) else {}
 
 
 def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
@@ -194,6 +212,12 @@ def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
             # DeepSpeed's own defaults apply (runtime/zero/config.py).
             overlap_comm=bool(node.get("overlap_comm", True)),
             contiguous_gradients=bool(node.get("contiguous_gradients", True)),
+            # ZeRO-Infinity's host buffers, under Lightning's argument names and defaults.
+            sub_group_size=_whole("strategy.sub_group_size", node.get("sub_group_size", 10**12), 0),
+            optimizer_buffer_count=_whole("strategy.optimizer_buffer_count", node.get("optimizer_buffer_count", 4)),
+            params_buffer_count=_whole("strategy.params_buffer_count", node.get("params_buffer_count", 5)),
+            params_buffer_size=_whole("strategy.params_buffer_size", node.get("params_buffer_size", 100_000_000)),
+            max_in_cpu=_whole("strategy.max_in_cpu", node.get("max_in_cpu", 1_000_000_000), 0),
         )
     if "fsdp" in name.lower() or "fsdp" in target.lower() or "modelparallel" in target.lower():
         offload = any("offload" in str(k).lower() and v for d in _walk(node) for k, v in d.items())

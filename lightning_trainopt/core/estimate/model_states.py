@@ -20,6 +20,14 @@ Sources read for every rule (deepspeed 0.19, lightning 2.6, torch 2.13):
   param group being stepped; the single-tensor path (CPU) makes ``exp_avg_sq.sqrt()`` and its quotient, two
   temporaries of one tensor at a time. DeepSpeed steps the client optimizer on each group's flat fp32 partition
   (``_optimizer_step(i)``), so there the "tensor" is the whole partition of a group.
+- ZeRO-Infinity (``swap_tensor/*.py``, ``stage3.py``): NVMe offload keeps pinned host buffers. Optimizer swap:
+  ``buffer_count`` fp32 buffers of the largest sub-group partition (``SwapBufferManager``); sub-groups under 1 MiB
+  of fp32 are never swapped and stay on the CPU like CPU offload. Parameter swap: ``buffer_count x buffer_size``
+  elements of the model dtype (``AsyncPartitionedParameterSwapper``), a flat CPU buffer per param group holding up to
+  ``max_in_cpu`` partition elements in all (``_create_param_groups_fp16_flat_cpu_memory``), and a reuse buffer the
+  full size of the largest sub-group's parameters when some sub-group is left on NVMe
+  (``reserve_partitioned_swap_space``). Under any optimizer offload the half gradient partitions
+  (``grad_partitions_flat_buffer``) are on the CPU.
 - DeepSpeed reduce buckets: ZeRO-1/2 with ``contiguous_gradients`` allocate ``reduce_bucket_size`` elements of the
   model dtype per buffer, two with ``overlap_comm`` (``setup_buckets``), at the first gradient hook of a backward, and
   drop them at its end (``independent_gradient_partition_epilogue`` -> ``_release_ipg_buffers`` and
@@ -34,7 +42,9 @@ from dataclasses import dataclass
 
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
+from lightning_trainopt.core.estimate.terms import numel_text as _gb
 from lightning_trainopt.core.estimate.zero3_gather import zero3_gathered_peak_numel
+from lightning_trainopt.core.estimate.zero_infinity import nvme_optimizer_terms, nvme_param_terms, zero3_sub_groups
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
 __all__ = ["ADAM_PATHS", "StrategyLayout", "estimate_model_states", "param_dtype_bytes"]
@@ -63,6 +73,12 @@ class StrategyLayout:
         prefetch_bucket_size: ZeRO-3 ``stage3_prefetch_bucket_size`` (DeepSpeed default 5e7 elements).
         max_live_parameters: ZeRO-3 ``stage3_max_live_parameters`` (default 1e9).
         max_reuse_distance: ZeRO-3 ``stage3_max_reuse_distance`` (default 1e9).
+        sub_group_size: ZeRO-3 optimizer sub-group, in partition elements (Lightning's default 1e12: one per param
+            group; DeepSpeed's own 1e9).
+        optimizer_buffer_count: pinned fp32 swap buffers of optimizer NVMe offload (Lightning's default 4).
+        params_buffer_count: pinned swap buffers of parameter NVMe offload (Lightning's default 5).
+        params_buffer_size: elements per parameter swap buffer (Lightning's default 1e8).
+        max_in_cpu: parameter partition elements NVMe parameter offload keeps in CPU memory (default 1e9).
 
     Example::
 
@@ -81,12 +97,23 @@ class StrategyLayout:
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000_000
+    optimizer_buffer_count: int = 4
+    params_buffer_count: int = 5
+    params_buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ConfigError("strategy.kind", self.kind, f"use one of {', '.join(_KINDS)}.")
         if self.kind == "deepspeed" and self.zero_stage not in (1, 2, 3):
             raise ConfigError("strategy.stage", self.zero_stage, "use ZeRO stage 1, 2 or 3.")
+        for key in ("optimizer_buffer_count", "params_buffer_count", "params_buffer_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"strategy.{key}", getattr(self, key), "use a positive whole number.")
+        for key in ("sub_group_size", "max_in_cpu"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"strategy.{key}", getattr(self, key), "use a whole number >= 0.")
         for key in ("offload_optimizer", "offload_params"):
             if getattr(self, key) not in _PLACES:
                 raise ConfigError(f"strategy.{key}", getattr(self, key), f"use one of {', '.join(_PLACES)}.")
@@ -117,10 +144,6 @@ def param_dtype_bytes(trainer_precision: str, layout: StrategyLayout) -> tuple[i
     if trainer_precision.endswith("-true") and half:
         return 2, 2
     return 4, 4
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.3g}e9" if n >= 1e6 else f"{int(n):,}"
 
 
 def _where(place: str) -> str:
@@ -324,8 +347,12 @@ def _deepspeed(
     shards = [math.ceil(k / w) for k in numels]
     part = sum(shards)
     persistent = sum(k for k in numels if k < layout.param_persistence_threshold)
-    p_where = _where(layout.offload_params)
-    terms.append(Term("params", p_where, f"{8 * h}-bit weight partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
+    subs = zero3_sub_groups(param_groups, w, layout.sub_group_size)
+    if layout.offload_params == "nvme":
+        terms.extend(nvme_param_terms(subs, w, h, layout))
+    else:
+        p_where = _where(layout.offload_params)
+        terms.append(Term("params", p_where, f"{8 * h}-bit weight partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
     terms.append(
         Term(
             "params",
@@ -335,15 +362,24 @@ def _deepspeed(
             f"{h} B x {_gb(persistent)} (< {layout.param_persistence_threshold:,} elements each)",
         )
     )
-    terms.append(Term("grads", opt_where, f"{8 * h}-bit gradient partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
-    if h == 2:
-        terms.append(_fp32_grad_partition(part, n, w, opt_where))
-    master_copy = h == 2 or layout.offload_optimizer != "none" or layout.offload_params != "none"
-    if master_copy:
-        terms.append(Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}"))
-    terms.append(
-        Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for([part], 4), optimizer.formula(4))
-    )
+    # grad_partitions_flat_buffer lives on the optimizer's device: the CPU under any optimizer offload, NVMe included.
+    g_where = "cpu" if opt_where == "nvme" else opt_where
+    terms.append(Term("grads", g_where, f"{8 * h}-bit gradient partitions", h * part, f"{h} B x {_gb(n)} / {w}"))
+    if layout.offload_optimizer == "nvme":
+        terms.extend(nvme_optimizer_terms(subs, w, layout, optimizer))
+    else:
+        if h == 2 or layout.offload_optimizer == "cpu":
+            # Under offload each sub-group gets its own fp32 gradient buffer (initialize_optimizer_states), in fp32
+            # models too.
+            terms.append(_fp32_grad_partition(part, n, w, opt_where))
+        master_copy = h == 2 or layout.offload_optimizer != "none" or layout.offload_params != "none"
+        if master_copy:
+            terms.append(
+                Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}")
+            )
+        terms.append(
+            Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for([part], 4), optimizer.formula(4))
+        )
     if opt_where == "device":
         # One sub-group per param group (Lightning's sub_group_size 1e12): the optimizer steps each flat partition.
         group_parts = [sum(math.ceil(k / w) for k in g) for g in param_groups]

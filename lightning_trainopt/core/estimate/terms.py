@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["CATEGORIES", "LOCATIONS", "PHASES", "MemoryEstimate", "Term"]
+__all__ = ["CATEGORIES", "LOCATIONS", "PHASES", "MemoryEstimate", "Term", "numel_text"]
 
 CATEGORIES = ("params", "grads", "optimizer_states", "activations", "other")
 LOCATIONS = ("device", "cpu", "nvme")
 PHASES = ("all", "backward", "step", "in_step")
+
+
+def numel_text(n: float) -> str:
+    """An element count as formulas show it: ``6.74e9`` from a million up, ``12,288`` below."""
+    return f"{n / 1e9:.3g}e9" if n >= 1e6 else f"{int(n):,}"
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ def test_a_json_equal_to_a_preset_plans_the_same_bytes(tmp_path):
             "reduce_bucket_size": preset.reduce_bucket_size,
             "stage3_param_persistence_threshold": preset.param_persistence_threshold,
             "overlap_comm": True,
+            "sub_group_size": 1e12,  # Lightning's default; DeepSpeed's own is 1e9
         }
     }
     from_json = _plan(tmp_path, ds)
@@ -128,6 +129,71 @@ def test_stage3_knobs_are_read_by_name_or_alias():
     assert (layout.param_persistence_threshold, layout.prefetch_bucket_size) == (1234, 7_000_000)
     assert (layout.max_live_parameters, layout.max_reuse_distance) == (100, 5)
     assert layout.overlap_comm is True  # DeepSpeed's stage-3 default
+
+
+def test_infinity_buffer_knobs_are_read_from_the_json_with_deepspeed_defaults():
+    zero = {
+        "stage": 3,
+        "sub_group_size": 5e8,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6},
+        "offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 2e7, "max_in_cpu": 0},
+    }
+    layout = strategy_layout({"_target_": "x.DeepSpeedStrategy", "config": {"zero_optimization": zero}}, 2)
+    assert (layout.sub_group_size, layout.optimizer_buffer_count) == (500_000_000, 6)
+    assert (layout.params_buffer_count, layout.params_buffer_size, layout.max_in_cpu) == (3, 20_000_000, 0)
+    bare = strategy_layout({"_target_": "x.DeepSpeedStrategy", "config": {"zero_optimization": {"stage": 3}}}, 2)
+    assert bare.sub_group_size == 1_000_000_000  # DeepSpeed's default, not Lightning's 1e12
+    assert (bare.optimizer_buffer_count, bare.params_buffer_count, bare.params_buffer_size) == (4, 5, 100_000_000)
+    assert bare.max_in_cpu == 1_000_000_000
+
+
+def test_infinity_buffer_knobs_are_read_from_a_preset_node():
+    node = {
+        "_target_": "lightning_trainopt.strategies.TrainOptDeepSpeedStrategy",
+        "stage": 3,
+        "offload_optimizer": True,
+        "offload_parameters": True,
+        "offload_optimizer_device": "nvme",
+        "offload_params_device": "nvme",
+        "optimizer_buffer_count": 8,
+        "params_buffer_count": 2,
+        "params_buffer_size": 1e6,
+        "max_in_cpu": 0,
+        "sub_group_size": 1e9,
+    }
+    layout = strategy_layout(node, 2)
+    assert (layout.optimizer_buffer_count, layout.params_buffer_count, layout.params_buffer_size) == (8, 2, 10**6)
+    assert (layout.max_in_cpu, layout.sub_group_size) == (0, 10**9)
+    # Lightning's defaults when the preset leaves them out (conf/strategy/zero_infinity.yaml does).
+    preset = strategy_layout(load_preset(REPO_ROOT / "conf", "strategy", "zero_infinity"), 8)
+    assert (preset.optimizer_buffer_count, preset.params_buffer_count, preset.params_buffer_size) == (4, 5, 10**8)
+    assert (preset.max_in_cpu, preset.sub_group_size) == (10**9, 10**12)
+
+
+@pytest.mark.parametrize(
+    ("node", "key"),
+    [
+        (
+            {"config": {"zero_optimization": {"stage": 3, "offload_optimizer": {"buffer_count": 0}}}},
+            "offload_optimizer.buffer_count",
+        ),
+        (
+            {"config": {"zero_optimization": {"stage": 3, "offload_param": {"buffer_size": 1.5}}}},
+            "offload_param.buffer_size",
+        ),
+        (
+            {"config": {"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpu": -1}}}},
+            "offload_param.max_in_cpu",
+        ),
+        ({"config": {"zero_optimization": {"stage": 3, "sub_group_size": "big"}}}, "zero_optimization.sub_group_size"),
+        ({"stage": 3, "params_buffer_count": 0}, "strategy.params_buffer_count"),
+        ({"stage": 3, "max_in_cpu": -5}, "strategy.max_in_cpu"),
+        ({"stage": 3, "optimizer_buffer_count": 2.5}, "strategy.optimizer_buffer_count"),
+    ],
+)
+def test_bad_infinity_buffer_knobs_are_refused_with_the_key(node, key):
+    with pytest.raises(ConfigError, match=key):
+        strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **node}, 2)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ reduce buckets and ZeRO-3's gathered parameters)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_trainopt.core.estimate import (
@@ -130,14 +132,66 @@ def test_offload_with_accumulation_parks_half_gradients_on_cpu():
     assert est.bytes("grads") == 0
 
 
-def test_infinity_puts_states_and_params_on_nvme():
-    layout = StrategyLayout(
-        kind="deepspeed", zero_stage=3, offload_optimizer="nvme", offload_params="nvme", param_persistence_threshold=0
-    )
-    est = estimate_model_states([[1000]], "bf16-mixed", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2)
-    assert est.bytes("params", "nvme") == 1000
-    assert est.bytes("optimizer_states", "nvme") == 6000
-    assert est.bytes("params") == 0
+CPU_ADAM = OPTIMIZER_STATES["deepspeed_cpu_adam"]
+INFINITY = StrategyLayout(
+    kind="deepspeed", zero_stage=3, offload_optimizer="nvme", offload_params="nvme", param_persistence_threshold=0
+)
+# Rank partitions (world 2): a 300,500-element decay group (swapped: >= 1 MiB of fp32) and a 32-element one (not).
+GROUPS = [[600_000, 1000], [64]]
+
+
+def _terms(est, location):
+    return {t.label: t.nbytes for t in est.terms if t.location == location}
+
+
+def test_infinity_keeps_pinned_swap_buffers_and_the_weights_in_host_ram():
+    est = estimate_model_states(GROUPS, "bf16-mixed", INFINITY, CPU_ADAM, 2)
+    cpu = _terms(est, "cpu")
+    # Lightning's defaults: 4 fp32 optimizer buffers of the largest sub-group (1 KiB-aligned: 300,544), 5 parameter
+    # buffers of 1e8 bf16 elements (1 KiB-aligned: 100,000,256); max_in_cpu 1e9 holds every weight partition.
+    assert cpu["optimizer swap buffers (pinned)"] == 4 * 4 * 300_544
+    assert cpu["parameter swap buffers (pinned)"] == 5 * 2 * 100_000_256
+    assert cpu["16-bit weight partitions, CPU flat buffers (max_in_cpu)"] == 2 * (300_500 + 32)
+    assert cpu["16-bit gradient partitions"] == 2 * (300_500 + 32)
+    # The 32-element sub-group is never swapped: master, moments and fp32 gradient stay on the CPU.
+    assert cpu["fp32 master partition (sub-groups < 1 MiB)"] == 4 * 32
+    assert cpu["DeepSpeedCPUAdam (sub-groups < 1 MiB)"] == 8 * 32
+    assert cpu["fp32 gradient buffer (sub-groups < 1 MiB)"] == 4 * 32
+    assert cpu["DeepSpeedCPUAdam before its first swap-out (first step)"] == 8 * 300_500
+    assert "parameter swap-out reuse buffer (pinned)" not in cpu
+    assert est.bytes("params", "nvme") == 0
+    assert est.bytes("grads", "nvme") == est.bytes("optimizer_states", "nvme") // 3 == 4 * 300_500
+    # Both partitions of the swapped group stay as fp32 copies: 300,000 is not a multiple of 256, 500 is < 1 MiB.
+    assert _terms(est, "device")["fp32 gradients too small or unaligned to swap"] == 4 * 300_500
+    assert est.bytes(location="cpu", resident_only=True) == sum(cpu.values()) - 8 * 300_500
+
+
+def test_infinity_puts_what_max_in_cpu_leaves_out_on_nvme_and_reserves_a_reuse_buffer():
+    layout = replace(INFINITY, max_in_cpu=1000, optimizer_buffer_count=5, params_buffer_count=2, params_buffer_size=10)
+    est = estimate_model_states(GROUPS, "32-true", layout, CPU_ADAM, 2)
+    cpu = _terms(est, "cpu")
+    # Group 1 gets a 1,000-element buffer its 300,500-element sub-group does not fit in; group 2 gets none
+    # (torch.empty(1)): both sub-groups live on NVMe.
+    assert cpu["32-bit weight partitions, CPU flat buffers (max_in_cpu)"] == 4 * (1000 + 1)
+    assert est.bytes("params", "nvme") == 4 * (300_500 + 32)
+    # Sized by the full parameters of the largest sub-group, each 1 KiB-aligned (256 fp32 elements).
+    assert cpu["parameter swap-out reuse buffer (pinned)"] == 4 * (600_064 + 1024)
+    assert cpu["parameter swap buffers (pinned)"] == 2 * 4 * 256
+    assert cpu["optimizer swap buffers (pinned)"] == 5 * 4 * 300_544
+
+
+def test_sub_group_size_splits_a_group_and_sizes_the_optimizer_buffers():
+    layout = replace(INFINITY, sub_group_size=200_000)
+    est = estimate_model_states([[600_000, 600_000]], "bf16-mixed", layout, CPU_ADAM, 2)
+    assert _terms(est, "cpu")["optimizer swap buffers (pinned)"] == 4 * 4 * 300_032
+    assert _terms(est, "cpu")["DeepSpeedCPUAdam before its first swap-out (first step)"] == 8 * 300_000
+
+
+def test_zero3_cpu_offload_of_an_fp32_model_keeps_two_gradient_partitions():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    est = estimate_model_states([[1000]], "32-true", layout, CPU_ADAM, 2)
+    # grad_partitions_flat_buffer (model dtype) and the sub-group's own fp32 gradient buffer.
+    assert est.bytes("grads", "cpu") == 4 * 500 + 4 * 500
 
 
 def test_fsdp_shards_everything():
