@@ -39,6 +39,15 @@ def accounted_model_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     return out
 
 
+
+def _metric_names(row: dict[str, Any]) -> dict[str, float]:
+    """The logged ``memory/<key>_bytes`` metrics of a breakdown row (``peak_memory_bytes`` keeps its one suffix)."""
+    return {
+        f"memory/{k if k.endswith('_bytes') else k + '_bytes'}": float(v)
+        for k, v in row.items()
+        if isinstance(v, int) and not isinstance(v, bool)
+    }
+
 class MemoryBreakdown(Callback):
     """The four-part memory table (model states, activations, other) per rank at chosen optimizer steps.
 
@@ -173,7 +182,7 @@ class MemoryBreakdown(Callback):
         self.results[step] = row
         self._counter = None
         self._measuring_step = None
-        log_metrics(trainer, {f"memory/{k}_bytes": float(v) for k, v in row.items() if isinstance(v, int)}, step=step)
+        log_metrics(trainer, _metric_names(row), step=step)
         gib = {k: v / 2**30 for k, v in row.items() if isinstance(v, int)}
         note = f" (requested step {', '.join(map(str, asked))})" if asked and asked != [step] else ""
         rank_zero_info(f"MemoryBreakdown step {step}{note}: " + ", ".join(f"{k} {v:.3f} GiB" for k, v in gib.items()))

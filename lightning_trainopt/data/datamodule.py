@@ -83,8 +83,17 @@ class TextDataModule(pl.LightningDataModule):
             raise ConfigError("data.max_bytes", max_bytes, "use a positive number of bytes, or null to read all.")
         if corpus == "text_file" and not path:
             raise ConfigError("data.path", path, "data=text_file needs data.path=/path/to/file_or_folder.")
-        if not isinstance(num_workers, int) or num_workers < 0:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ConfigError("data.num_workers", num_workers, "use an integer >= 0.")
+        for key, flag in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"data.{key}", flag, f"use true or false (got a {type(flag).__name__}).")
+        if prefetch_factor is not None and (
+            isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1
+        ):
+            raise ConfigError(
+                "data.prefetch_factor", prefetch_factor, "use a positive number of batches per worker, or null."
+            )
         if prefetch_factor is not None and num_workers == 0:
             raise ConfigError(
                 "data.prefetch_factor", prefetch_factor, "prefetching needs worker processes; set data.num_workers>0."

@@ -78,7 +78,7 @@ def test_text_file_path_is_checked(tmp_path, path_kind):
         ("data.val_fraction=abc", "data.val_fraction", "fraction between 0 and 1"),
         # Accepted as truthy before.
         ("compile=maybe", "compile", "true or false"),
-        ("+continue_on_oom=maybe", "continue_on_oom", "true or false"),
+        ("continue_on_oom=maybe", "continue_on_oom", "true or false"),
         # Blamed the wrong key, or advised a value that is refused itself.
         ("data.max_bytes=0", "data.max_bytes", "positive number of bytes"),
         ("optimizer.lr='3e-4'", "optimizer.lr", "give a number, not a string"),
@@ -120,7 +120,7 @@ def test_trainer_arguments_the_app_sets_are_refused_naming_the_group(tmp_path, n
         ["trainer.val_check_interval=00:00:01:00"],
         ["trainer.val_check_interval=null"],
         ["optimizer.betas=[0.0,0.999]", "optimizer.weight_decay=0", "trainer.gradient_clip_val=null"],
-        ["seed=0", "compile=true", "+continue_on_oom=false"],
+        ["seed=0", "compile=true", "continue_on_oom=false"],
         ["hardware.price_per_device_hour=2.5", "hardware.memory_gb=80", "+hardware.peak_tflops={bf16: 800}"],
         ["data.max_bytes=1000", "optimizer=lion8bit", "scheduler.min_lr_ratio=1.0"],
     ],

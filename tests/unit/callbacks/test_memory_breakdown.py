@@ -39,6 +39,32 @@ def test_four_part_table_on_cpu():
     assert logger.values("memory/activations_bytes") == [float(row["activations"])]
 
 
+def test_logged_names_are_the_documented_ones():
+    # docs/callbacks.md: memory/{params,grads,optimizer_states,activations,activations_weight_copies,other,
+    # peak_memory}_bytes; on CUDA the row's `peak_memory_bytes` was logged as `memory/peak_memory_bytes_bytes`.
+    from lightning_trainopt.callbacks.memory_breakdown import _metric_names
+
+    row = {
+        "params": 1,
+        "grads": 2,
+        "optimizer_states": 3,
+        "activations": 4,
+        "activations_weight_copies": 5,
+        "other": 6,
+        "peak_memory_bytes": 7,
+        "source": "CUDA allocator peak + tensor accounting",
+    }
+    assert _metric_names(row) == {
+        "memory/params_bytes": 1.0,
+        "memory/grads_bytes": 2.0,
+        "memory/optimizer_states_bytes": 3.0,
+        "memory/activations_bytes": 4.0,
+        "memory/activations_weight_copies_bytes": 5.0,
+        "memory/other_bytes": 6.0,
+        "memory/peak_memory_bytes": 7.0,
+    }
+
+
 def test_accumulation_takes_the_largest_micro_batch():
     cb = MemoryBreakdown(at_steps=[0])
     module = tiny_module()

@@ -70,6 +70,11 @@ def test_bad_data_options(kwargs, key):
         ({"val_fraction": "0.1"}, "data.val_fraction"),
         ({"max_bytes": 0}, "data.max_bytes"),
         ({"max_bytes": "10"}, "data.max_bytes"),
+        # A string was used as a truth value: "maybe" pinned memory.
+        ({"pin_memory": "maybe"}, "data.pin_memory"),
+        ({"num_workers": 2, "persistent_workers": "no"}, "data.persistent_workers"),
+        ({"num_workers": 2, "prefetch_factor": 0}, "data.prefetch_factor"),
+        ({"num_workers": True}, "data.num_workers"),
     ],
 )
 def test_bad_values_name_their_own_key(kwargs, key):
