@@ -183,14 +183,16 @@ class MicroBatchFinder(Callback):
         budget_fraction: on CUDA without ``budget_bytes``: this share of the device's memory.
         max_micro_batch: never go above this micro-batch.
         model_state_bytes: bytes of parameters + gradients + optimizer states per device, instead of measuring.
-        batch_arg_name: the attribute holding the micro-batch (on the module, its hparams or the datamodule).
+        batch_arg_name: the attribute holding the micro-batch, looked up and set as Lightning's ``BatchSizeFinder``
+            does (``lightning_hasattr`` / ``lightning_setattr``: the module, its hparams, the datamodule, its
+            hparams); the ``train_dataloader()`` must read its batch size from it.
         forward_fn: ``(module, batch) -> loss`` used to measure, run inside the precision context (default: the
             module's ``training_step(batch, 0)``). Required under manual optimisation, whose ``training_step``
             steps the optimizers itself.
 
     Raises:
-        ConfigError: bad arguments; no budget on CPU; nothing fits; no ``batch_arg_name`` attribute; manual
-            optimisation without ``forward_fn``.
+        ConfigError: bad arguments; no budget on CPU; nothing fits; no ``batch_arg_name`` attribute, or a training
+            ``DataLoader`` whose batch size does not follow it; manual optimisation without ``forward_fn``.
 
     Example::
 
@@ -245,8 +247,11 @@ class MicroBatchFinder(Callback):
             raise ConfigError(
                 f"{_KEY}.batch_arg_name",
                 self.batch_arg_name,
-                "no such attribute on the LightningModule, its hparams or the datamodule; name the one holding the "
-                "micro-batch size.",
+                "no such attribute on the LightningModule, its hparams, the datamodule or its hparams (where "
+                "Lightning's BatchSizeFinder looks too). Name the attribute your train_dataloader() reads as its "
+                "batch size; if it passes a literal (DataLoader(..., batch_size=16)), store it first, e.g. "
+                "self.batch_size = 16 in __init__ and DataLoader(..., batch_size=self.batch_size), or "
+                "self.save_hyperparameters() and self.hparams.batch_size.",
             )
 
     def _sample_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
@@ -367,6 +372,22 @@ class MicroBatchFinder(Callback):
             f"{plan.accumulate} (global batch {global_batch} kept); predicted {plan.predicted_bytes / 2**30:.3f} GiB "
             f"of {budget / 2**30:.3f} GiB ({per_sample / 2**20:.2f} MiB activations per sample)."
         )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The fit loop builds the DataLoader after on_fit_start: one whose batch size does not come from
+        # batch_arg_name would train micro_batch0 x the raised accumulation, a larger global batch than configured.
+        loader = trainer.train_dataloader
+        size = getattr(loader, "batch_size", None)
+        if self.plan is None or not isinstance(loader, torch.utils.data.DataLoader) or size is None:
+            return
+        if size != self.plan.micro_batch:
+            raise ConfigError(
+                f"{_KEY}.batch_arg_name",
+                self.batch_arg_name,
+                f"it was set to the chosen micro-batch {self.plan.micro_batch}, but the training DataLoader was built "
+                f"with batch_size={size}: make train_dataloader() read its batch size from that attribute.",
+            )
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, plan: MicroBatchPlan) -> None:
         lightning_setattr(pl_module, self.batch_arg_name, plan.micro_batch)

@@ -20,6 +20,7 @@ from lightning_trainopt.callbacks._common import (
     log_interval,
     log_metrics,
 )
+from lightning_trainopt.core._torch_private import is_compiled
 from lightning_trainopt.core.step_time import StepSplit, Verdict, split_marks, step_verdict
 from lightning_trainopt.exceptions import ConfigError
 
@@ -104,6 +105,8 @@ class StepTimer(Callback):
         self._last_step = -1
         self._verdict: Verdict | None = None
         self._loader: dict[str, Any] = {}
+        self._precision: str | None = None
+        self._compiled: bool | None = None
         self._patched: tuple[Any, Any] | None = None
         self._fetch_patched: Any = None
         self._fetch_timed = False
@@ -240,6 +243,9 @@ class StepTimer(Callback):
         offload = getattr(trainer.strategy, "config", None)
         zero = offload.get("zero_optimization", {}) if isinstance(offload, dict) else {}
         self._offload = bool(zero.get("offload_optimizer") or zero.get("offload_param"))
+        # What the run already does, so that the compute-bound verdict does not advise it.
+        self._precision = str(trainer.precision)
+        self._compiled = is_compiled(pl_module)
 
     @override
     def on_train_batch_start(
@@ -310,6 +316,8 @@ class StepTimer(Callback):
             prefetch_factor=self._loader.get("prefetch_factor"),
             cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             offload=self._offload,
+            precision=self._precision,
+            compiled=self._compiled,
             input_threshold=self.input_threshold,
             optimizer_threshold=self.optimizer_threshold,
             comm_threshold=self.comm_threshold,

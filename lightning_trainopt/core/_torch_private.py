@@ -16,6 +16,7 @@ __all__ = [
     "ddp_comm_hook_name",
     "ddp_comm_hook_state",
     "dump_memory_snapshot",
+    "is_compiled",
     "memory_history_supported",
     "nvml_device_index",
     "start_memory_history",
@@ -156,3 +157,17 @@ class RecomputeFlopCounter:
     def recomputed(self) -> int | None:
         """FLOPs recomputed by activation checkpointing during backward; ``None`` where torch cannot tell."""
         return self._recomputed if self._supported else None
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """``module`` or a submodule runs through ``torch.compile``: ``torch.compile(inner)`` assigned as a child (LitGPT's
+    ``compile_model``), ``nn.Module.compile()``, or ``torch.compile(lightning_module)`` given to ``fit`` (Lightning
+    unwraps it and keeps ``_compiler_ctx``). These are private attributes: on a torch that renames them the detection
+    is lost and the verdict merely keeps its compile advice."""
+    if getattr(module, "_compiler_ctx", None):
+        return True
+    optimized = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", None)
+    return any(
+        (optimized is not None and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )

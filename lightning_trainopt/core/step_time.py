@@ -132,6 +132,10 @@ def split_marks(times: list[tuple[str, float]], comm_measured: bool = False, fet
     return split
 
 
+# Lightning precision strings that compute in 32 or 64 bits: only there is bf16 advice new.
+_FULL_PRECISION = frozenset({"32-true", "32", "64-true", "64"})
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What bounds the step, why, and the concrete remedies."""
@@ -148,6 +152,8 @@ def step_verdict(
     prefetch_factor: int | None = None,
     cpu_count: int | None = None,
     offload: bool = False,
+    precision: str | None = None,
+    compiled: bool | None = None,
     input_threshold: float = 0.15,
     optimizer_threshold: float = 0.30,
     comm_threshold: float = 0.25,
@@ -163,6 +169,10 @@ def step_verdict(
         num_workers, pin_memory, prefetch_factor: the DataLoader's settings, for concrete remedies.
         cpu_count: host CPUs available to this rank.
         offload: optimizer states or parameters are offloaded to CPU/NVMe.
+        precision: the run's Lightning precision string (``trainer.precision``, e.g. ``"bf16-mixed"``); a
+            compute-bound run already in 16-bit (or lower) precision is not advised to switch to bf16. ``None``:
+            unknown, the advice stays.
+        compiled: the model is already ``torch.compile``-d; then compiling is not advised. ``None``: unknown.
         input_threshold: fraction of wall time in ``data_wait + h2d`` above which the step is input-bound.
         optimizer_threshold: fraction in ``optimizer`` above which it is optimizer/offload-bound.
         comm_threshold: fraction in measured ``comm`` above which it is communication-bound.
@@ -232,12 +242,11 @@ def step_verdict(
             ),
         )
     compute = f.get("forward", 0.0) + f.get("backward", 0.0)
-    return Verdict(
-        "compute-bound",
-        f"{100 * compute:.0f}% of wall time is forward+backward",
-        (
-            "use bf16 mixed precision and fused attention (SDPA flash kernels)",
-            "torch.compile the model (compile=true)",
-            "raise the micro-batch until memory is ~90% used",
-        ),
-    )
+    remedies = []
+    if precision is None or precision in _FULL_PRECISION:
+        remedies.append("use bf16 mixed precision (Trainer(precision='bf16-mixed'); train.py: precision=bf16)")
+    remedies.append("use fused attention (torch's scaled_dot_product_attention picks flash kernels)")
+    if not compiled:
+        remedies.append("torch.compile the model (torch.compile(model) on the inner model; train.py: compile=true)")
+    remedies.append("raise the micro-batch until memory is ~90% used")
+    return Verdict("compute-bound", f"{100 * compute:.0f}% of wall time is forward+backward", tuple(remedies))

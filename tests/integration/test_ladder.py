@@ -17,13 +17,29 @@ def test_plan_and_ladder_notebook_executes(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(ROOT / "notebooks" / "plan_and_ladder.ipynb", as_version=4)
     os.environ["TRAINOPT_ROOT"] = str(ROOT)  # restored by the autouse fixture
-    os.environ["LADDER_OUT"] = str(tmp_path / "ladder")
+    os.environ.pop("LADDER_OUT", None)  # as a user runs it: the predicted report must not land in the working dir
+    os.environ.pop("LADDER_DIR", None)
+    os.environ["TMPDIR"] = str(tmp_path / "tmp")  # the kernel's tempfile.mkdtemp lands here, cleaned with tmp_path
+    (tmp_path / "tmp").mkdir()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
     ).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "python train.py model=llama_7b" in outputs
-    assert (tmp_path / "ladder" / "ladder.png").stat().st_size > 1000
+    assert list(cwd.iterdir()) == []
+    (out,) = (tmp_path / "tmp").glob("ladder_predicted_*")
+    assert f"report: {out}" in outputs
+    assert (out / "ladder.png").stat().st_size > 1000
+    # The predicted ladder has the experiment's rungs, in its sweep order.
+    sweep = next(
+        line for line in (ROOT / "conf/experiment/ladder.yaml").read_text().splitlines() if "ladder_rung:" in line
+    )
+    rungs = sweep.split(":", 1)[1].strip().split(",")
+    assert len(rungs) == 7
+    md = (out / "ladder.md").read_text()
+    assert [f"| {i} | {rung} |" in md for i, rung in enumerate(rungs)] == [True] * len(rungs)
 
 
 @pytest.mark.slow

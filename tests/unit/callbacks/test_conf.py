@@ -45,3 +45,23 @@ def test_hardware_presets_build(name):
     spec = instantiate(_compose([f"hardware={name}"]).hardware)
     assert isinstance(spec, HardwareSpec)
     assert spec.sources["price"]
+
+
+def test_micro_batch_finder_preset_composes_with_the_default_list_and_refuses_without_a_budget_on_cpu(tmp_path):
+    from lightning_trainopt.exceptions import ConfigError
+    from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
+
+    base = ["callbacks=[default,micro_batch_finder]", f"callbacks.memory_snapshot.dirpath={tmp_path}"]
+    cfg = _compose([*base, "callbacks.micro_batch_finder.budget_bytes=4e9"])
+    assert "step_timer" in cfg.callbacks
+    finder = instantiate(cfg.callbacks.micro_batch_finder)
+    assert isinstance(finder, cbs.MicroBatchFinder)
+    assert (finder.budget_bytes, finder.batch_arg_name) == (4_000_000_000, "batch_size")
+
+    unset = instantiate(_compose(base).callbacks.micro_batch_finder)
+    with pytest.raises(ConfigError) as err:
+        tiny_trainer([unset], max_steps=1).fit(tiny_module(), datamodule=tiny_data())
+    assert str(err.value) == (
+        "callbacks.micro_batch_finder.budget_bytes=None is invalid: on CPU there is no allocator limit to probe: give "
+        "the memory budget per process in bytes, e.g. callbacks.micro_batch_finder.budget_bytes=4e9."
+    )

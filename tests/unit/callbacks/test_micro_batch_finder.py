@@ -312,3 +312,75 @@ def test_measures_the_checkpointed_model_whatever_the_callback_order(finder_firs
     assert checkpointed < plain / 2
     assert ckpt.plan is not None
     assert ckpt.summary()["activation_checkpointing"]["wrapped"] == 2  # both tiny blocks, wrapped once
+
+
+class _Tokens(pl.LightningModule):
+    """A module of our users': its own model, loss and DataLoader, no ``batch_size`` attribute of its own."""
+
+    def __init__(self, literal_batch: int | None = None) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+        self.literal_batch = literal_batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return torch.nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), x.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randint(0, 16, (32, 4)))
+        return torch.utils.data.DataLoader(data, batch_size=self.literal_batch)
+
+
+class _HparamData(pl.LightningDataModule):
+    def __init__(self, micro: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(torch.randint(0, 16, (32, 4)))
+        return torch.utils.data.DataLoader(data, batch_size=self.hparams.micro)
+
+
+def _fit_tokens(finder: MicroBatchFinder, module: pl.LightningModule, **fit: Any) -> BatchSizes:
+    seen = BatchSizes()
+    tiny_trainer([finder, seen], max_steps=1).fit(module, **fit)
+    return seen
+
+
+def test_missing_batch_attribute_says_how_to_expose_a_literal_batch_size() -> None:
+    with pytest.raises(ConfigError, match="batch_arg_name='batch_size' is invalid") as err:
+        _fit_tokens(MicroBatchFinder(budget_bytes=2**40), _Tokens(literal_batch=8))
+    assert "self.batch_size = 16 in __init__ and DataLoader(..., batch_size=self.batch_size)" in str(err.value)
+
+
+def test_batch_arg_name_can_name_a_datamodule_hparam() -> None:
+    probe = MicroBatchFinder(budget_bytes=2**40, batch_arg_name="micro")
+    _fit_tokens(probe, _Tokens(), datamodule=_HparamData())
+    assert probe.plan is not None
+    plan = probe.plan
+    finder = MicroBatchFinder(budget_bytes=plan.fixed_bytes + 2 * plan.per_sample_bytes, batch_arg_name="micro")
+    data = _HparamData()
+    seen = _fit_tokens(finder, _Tokens(), datamodule=data)
+    assert data.hparams.micro == 2
+    assert seen.sizes == [2, 2, 2, 2]
+    assert seen.accumulate == [4, 4, 4, 4]
+
+
+def test_refuses_a_dataloader_that_ignores_the_batch_attribute() -> None:
+    module = _Tokens(literal_batch=8)
+    module.batch_size = 8  # present, but train_dataloader() never reads it
+    probe = MicroBatchFinder(budget_bytes=2**40)
+    _fit_tokens(probe, module)
+    assert probe.plan is not None
+    plan = probe.plan
+    finder = MicroBatchFinder(budget_bytes=plan.fixed_bytes + 2 * plan.per_sample_bytes)
+    module = _Tokens(literal_batch=8)
+    module.batch_size = 8
+    with pytest.raises(
+        ConfigError, match="chosen micro-batch 2, but the training DataLoader was built with batch_size=8"
+    ):
+        _fit_tokens(finder, module)

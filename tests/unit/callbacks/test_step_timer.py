@@ -7,12 +7,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.compile import from_compiled
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_trainopt.callbacks.step_timer as step_timer_module
 from lightning_trainopt.callbacks import StepTimer
 from lightning_trainopt.callbacks._comm_probe import CommProbe, _HookState, attach_comm_probe, timed_allreduce_hook
+from lightning_trainopt.core._torch_private import is_compiled
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.lit_gpt import LitGPT
@@ -347,3 +349,42 @@ def test_a_split_restored_by_validate_does_not_carry_into_the_next_fit():
     timer.teardown(stand_in, None, "validate")
     _linear_fit(timer, clock, max_steps=3)
     assert (timer.split.steps, timer.split.wall) == (2, 18.0)
+
+
+class _Regression(pl.LightningModule):
+    def __init__(self, compiled: bool) -> None:
+        super().__init__()
+        net = torch.nn.Linear(4, 1)
+        self.net = torch.compile(net, backend="eager") if compiled else net
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("precision", "compiled"), [("bf16-mixed", True), ("32-true", False)])
+def test_verdict_is_told_the_precision_and_compilation_of_the_run(monkeypatch, precision, compiled):
+    told: dict[str, Any] = {}
+    real = step_timer_module.step_verdict
+
+    def verdict(split: Any, **kwargs: Any) -> Any:
+        told.update(kwargs)
+        return real(split, **kwargs)
+
+    monkeypatch.setattr(step_timer_module, "step_verdict", verdict)
+    trainer = tiny_trainer([StepTimer(warmup_steps=0)], max_steps=2, precision=precision)
+    trainer.fit(_Regression(compiled), train_dataloaders=DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
+    assert (told["precision"], told["compiled"]) == (precision, compiled)
+
+
+def test_compiled_detection_sees_each_way_of_compiling():
+    assert not is_compiled(_Regression(compiled=False))
+    assert is_compiled(_Regression(compiled=True))  # torch.compile(inner), as LitGPT compile_model
+    in_place = _Regression(compiled=False)
+    in_place.net.compile(backend="eager")  # nn.Module.compile()
+    assert is_compiled(in_place)
+    whole = _Regression(compiled=False)
+    from_compiled(torch.compile(whole, backend="eager"))  # what fit(torch.compile(module)) does
+    assert is_compiled(whole)

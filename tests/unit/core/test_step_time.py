@@ -160,3 +160,26 @@ def test_comm_measured_zero_is_shown_and_unmeasured_is_absent():
     marks = [("batch_start", 0.0), ("before_backward", 1.0), ("after_backward", 2.0), ("before_optimizer_step", 2.0)]
     assert split_marks(marks, comm_measured=True).fractions()["comm"] == 0.0
     assert "comm" not in split_marks(marks).fractions()
+
+
+_BF16 = "use bf16 mixed precision (Trainer(precision='bf16-mixed'); train.py: precision=bf16)"
+_SDPA = "use fused attention (torch's scaled_dot_product_attention picks flash kernels)"
+_COMPILE = "torch.compile the model (torch.compile(model) on the inner model; train.py: compile=true)"
+_MICRO = "raise the micro-batch until memory is ~90% used"
+
+
+@pytest.mark.parametrize(
+    ("precision", "compiled", "remedies"),
+    [
+        ("32-true", False, (_BF16, _SDPA, _COMPILE, _MICRO)),
+        ("bf16-mixed", False, (_SDPA, _COMPILE, _MICRO)),
+        ("bf16-true", True, (_SDPA, _MICRO)),
+        ("16-mixed", False, (_SDPA, _COMPILE, _MICRO)),
+        ("32-true", True, (_BF16, _SDPA, _MICRO)),
+        (None, None, (_BF16, _SDPA, _COMPILE, _MICRO)),  # unknown: nothing is assumed applied
+    ],
+)
+def test_compute_bound_remedies_leave_out_what_the_run_already_does(precision, compiled, remedies):
+    v = step_verdict(_split(forward=4.0, backward=5.0), precision=precision, compiled=compiled)
+    assert v.kind == "compute-bound"
+    assert v.remedies == remedies
