@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -25,6 +26,10 @@ __all__ = ["CONFIG_DIR", "keep_earlier_hydra_record", "plan_main", "run_hydra", 
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
+log = logging.getLogger(__name__)
+
+_STAMP = "%Y-%m-%d_%H-%M-%S"
+
 
 def _in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
@@ -39,13 +44,28 @@ def _refuse(err: TrainOptError) -> None:
     In a sweep, the job is recorded as ``status: refused`` in its metrics.json and the sweep goes on (a ladder's
     rung that a pre-flight check refuses is a result, not a crash); a single run exits with code 2.
     """
-    print(f"error: {err}", file=sys.stderr)
+    line = f"error: {err}"
+    print(line, file=sys.stderr)
+    _log_to_files(line)
     if not _in_multirun():
         sys.exit(2)
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     (run_dir / "metrics.json").write_text(json.dumps({"status": "refused", "error": str(err)}, indent=2))
+
+
+def _log_to_files(line: str) -> None:
+    """Write ``line`` to the log files of the root logger (the run's ``train.log``), not to the console.
+
+    Hydra's job logging (``conf/hydra/default.yaml``) gives the root logger a console handler on stdout and a file
+    handler on ``<run dir>/<job name>.log``. The refusal is already on stderr; logging it normally would print it a
+    second time on the terminal, so only the file handlers get the record.
+    """
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def user_error(err: BaseException) -> TrainOptError | None:
@@ -94,21 +114,64 @@ def _plan_task(cfg: DictConfig) -> None:
     plan_task(cfg)
 
 
+def _has_trained(run_dir: Path) -> bool:
+    """A command trained in ``run_dir``: it holds a checkpoint, or a ``metrics.json`` that is not a refusal."""
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
+        return True
+    metrics = run_dir / "metrics.json"
+    if not metrics.is_file():
+        return False
+    try:
+        return json.loads(metrics.read_text()).get("status") != "refused"
+    except (ValueError, AttributeError):
+        return True  # unreadable or not an object: keep the record, as for a run that trained
+
+
+def _move_record_aside(hydra_dir: Path) -> None:
+    """Move the top-level ``.hydra/*.yaml`` into ``.hydra/<time it was written>/``, as a later command's would be."""
+    files = [p for p in hydra_dir.iterdir() if p.is_file()]
+    stamp = datetime.fromtimestamp((hydra_dir / "config.yaml").stat().st_mtime).strftime(_STAMP)
+    aside = hydra_dir / stamp
+    n = 1
+    while aside.exists():
+        aside = hydra_dir / f"{stamp}_{n}"
+        n += 1
+    aside.mkdir()
+    for path in files:
+        path.rename(aside / path.name)
+
+
 def keep_earlier_hydra_record(argv: list[str], now: datetime | None = None) -> list[str]:
-    """``argv`` plus ``hydra.output_subdir=.hydra/<time>`` when it names an existing run directory.
+    """``argv`` plus ``hydra.output_subdir=.hydra/<time>`` when it names a run directory that has trained.
 
     Hydra writes ``.hydra/{config,hydra,overrides}.yaml`` into the run directory before the task runs, so resuming
     a run (``hydra.run.dir=<run> ckpt_path=last``) or a refused command aimed at it would replace the record of how
-    its checkpoints were trained. Each later invocation gets its own subfolder instead. Sweeps (``-m``) and
-    commands that set ``hydra.output_subdir`` themselves (Lightning's DDP child processes) are left as they are.
+    its checkpoints were trained. The top-level ``.hydra/`` belongs to the first command that trained there (the
+    directory holds a checkpoint or a ``metrics.json`` other than a refusal); each later invocation gets its own
+    ``.hydra/<time>/`` instead. A directory where nothing has trained yet (every earlier command was refused by the
+    pre-flight checks, or crashed before its first checkpoint) does not keep its top-level record: it is moved
+    aside into ``.hydra/<time it was written>/``, where it stays as a record of that command, and this command's
+    record takes its place. Sweeps (``-m``) and commands that set ``hydra.output_subdir`` themselves (Lightning's
+    DDP child processes) are left as they are.
+
+    Args:
+        argv: the command line, ``sys.argv``.
+        now: the time of this invocation (default: now), which names its subfolder.
     """
     if any(a in ("-m", "--multirun") or a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
         return argv
     run_dirs = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
-    if not run_dirs or not (Path(run_dirs[-1]) / ".hydra" / "config.yaml").is_file():
+    if not run_dirs:
         return argv
-    stamp = (now or datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
-    return [*argv, f"hydra.output_subdir=.hydra/{stamp}"]
+    run_dir = Path(run_dirs[-1])
+    hydra_dir = run_dir / ".hydra"
+    if not (hydra_dir / "config.yaml").is_file():
+        return argv
+    if not _has_trained(run_dir):
+        _move_record_aside(hydra_dir)
+        return argv
+    return [*argv, f"hydra.output_subdir=.hydra/{(now or datetime.now()).strftime(_STAMP)}"]
 
 
 def run_hydra(task: Callable[[DictConfig], Any], config_name: str) -> None:

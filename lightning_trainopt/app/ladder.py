@@ -18,6 +18,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_trainopt.app.sweep import status_text
 from lightning_trainopt.exceptions import TrainOptError
 
 __all__ = ["LadderReport", "LadderRow", "collect_ladder", "write_ladder_report"]
@@ -35,7 +36,8 @@ class LadderRow:
     Args:
         job: Hydra job number.
         rung: the rung's name (``conf/experiment/ladder_rung/<rung>.yaml``).
-        status: ``ok``, ``oom`` or ``failed`` (no metrics.json).
+        status: metrics.json's: ``ok`` (the only success), ``stopped`` (a callback ended the fit early),
+            ``diverged`` (the final train loss is not finite), ``oom``, ``refused``; ``failed`` without metrics.json.
         peak_memory_bytes: measured peak per device.
         predicted_peak_bytes: the planner's per-device total.
         model_states_bytes: measured params + grads + optimizer states on the device (rank 0).
@@ -48,6 +50,8 @@ class LadderRow:
         mfu: measured model FLOPs utilisation.
         usd_per_1b_tokens: measured dollars per 1e9 tokens.
         predicted_usd_per_1b_tokens: the planner's.
+        stopped_by: the callback that stopped the fit (``stopped`` only; ``None`` if unknown).
+        stopped_at_step: the optimizer step it stopped at.
     """
 
     job: int
@@ -65,6 +69,8 @@ class LadderRow:
     mfu: float | None = None
     usd_per_1b_tokens: float | None = None
     predicted_usd_per_1b_tokens: float | None = None
+    stopped_by: str | None = None
+    stopped_at_step: int | None = None
 
 
 def _device_states(breakdown: Any) -> int | None:
@@ -129,6 +135,8 @@ def collect_ladder(sweep_dir: Path) -> list[LadderRow]:
             tflops_per_device=metrics.get("tflops_per_device"),
             mfu=metrics.get("mfu"),
             usd_per_1b_tokens=metrics.get("usd_per_1b_tokens"),
+            stopped_by=metrics.get("stopped_by"),
+            stopped_at_step=metrics.get("stopped_at_step"),
         )
         cfg = OmegaConf.load(job_dir / ".hydra" / "config.yaml")
         try:
@@ -182,7 +190,7 @@ def write_ladder_report(rows: list[LadderRow], out_dir: Path) -> dict[str, Path]
         cells = [
             str(r.job),
             r.rung,
-            r.status,
+            status_text(r.status, r.stopped_by, r.stopped_at_step),
             peak,
             _err(r.peak_memory_bytes, r.predicted_peak_bytes),
             states,
@@ -195,6 +203,10 @@ def write_ladder_report(rows: list[LadderRow], out_dir: Path) -> dict[str, Path]
             f"{_fmt(r.usd_per_1b_tokens)} ({_fmt(r.predicted_usd_per_1b_tokens)})",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    # Only `ok` trained as configured; the figures of a stopped, diverged or OOM rung are no result to compare.
+    failed = [f"{r.rung} ({status_text(r.status, r.stopped_by, r.stopped_at_step)})" for r in rows if r.status != "ok"]
+    if failed:
+        lines += ["", f"Not a success: {', '.join(failed)}."]
     paths["md"].write_text("\n".join(lines) + "\n")
     _plot(rows, paths["png"])
     return paths
@@ -206,7 +218,7 @@ def _plot(rows: list[LadderRow], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [f"{r.rung}{' (OOM)' if r.status == 'oom' else ''}" for r in rows]
+    names = [r.rung if r.status == "ok" else f"{r.rung} ({r.status.upper()})" for r in rows]
     x = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     w = 0.4

@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["SweepSummary", "collect_jobs", "write_summary"]
+__all__ = ["SweepSummary", "collect_jobs", "status_text", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,19 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def status_text(status: Any, stopped_by: Any = None, stopped_at_step: Any = None) -> str:
+    """A metrics.json ``status`` as a report shows it: ``stopped`` names the callback and the step.
+
+    ``ok`` is the only success; ``stopped`` (a callback such as ``NonFiniteGuard`` ended the fit early),
+    ``diverged`` (the final train loss is not finite), ``oom``, ``refused`` and ``missing`` (no metrics.json) are not.
+    """
+    text = str(status)
+    if status == "stopped":
+        who = stopped_by or "a callback"
+        text += f" ({who} at step {stopped_at_step})" if stopped_at_step is not None else f" ({who})"
+    return text
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return ""
@@ -66,8 +80,13 @@ def write_summary(sweep_dir: Path) -> tuple[Path, Path]:
             writer.writerow({c: r.get(c) for c in columns})
     md_path = sweep_dir / "sweep_summary.md"
     lines = [f"# Sweep summary: {sweep_dir}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    lines += ["", f"{len(rows)} job(s); every metrics.json column is in {csv_path.name}.", ""]
+    for r in rows:
+        cells = {c: _cell(r.get(c)) for c in COLUMNS}
+        cells["status"] = status_text(r.get("status"), r.get("stopped_by"), r.get("stopped_at_step"))
+        lines.append("| " + " | ".join(cells[c] for c in COLUMNS) + " |")
+    counts = Counter(str(r.get("status")) for r in rows)
+    tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: (kv[0] != "ok", kv[0])))
+    lines += ["", f"{len(rows)} job(s): {tally or 'none'}; every metrics.json column is in {csv_path.name}.", ""]
     md_path.write_text("\n".join(lines))
     return md_path, csv_path
 

@@ -14,18 +14,20 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import EarlyStopping, Timer
 from omegaconf import DictConfig
 
 from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env
 from lightning_trainopt.app.report import print_summary
 from lightning_trainopt.app.run_clock import RunClock
 from lightning_trainopt.app.validate import validate_config
+from lightning_trainopt.callbacks import NonFiniteGuard
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import LitGPT
 from lightning_trainopt.precision import trainer_precision_kwargs
 from lightning_trainopt.strategies.report import StrategyReport
 
-__all__ = ["output_dir", "train"]
+__all__ = ["early_stop", "output_dir", "run_status", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,54 @@ def _final_validation(trainer: pl.Trainer, module: LitGPT, dm: pl.LightningDataM
         trainer.validate(module, datamodule=dm, verbose=False)
 
 
+def early_stop(trainer: pl.Trainer) -> dict[str, Any]:
+    """``{"stopped_by", "stopped_at_step"}``: who ended the fit early through ``trainer.should_stop``, and when.
+
+    ``NonFiniteGuard`` gives the step it stopped at, Lightning's ``EarlyStopping`` the step the fit ended at; a
+    stop requested by another callback has ``stopped_by`` ``None``. Reaching ``trainer.max_time`` (Lightning's
+    ``Timer``) is the end the config asked for, not an early stop. Both values are ``None`` when the fit ran to
+    its end.
+
+    Args:
+        trainer: the Trainer right after ``fit`` (the next ``fit`` resets ``should_stop``).
+    """
+    stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
+    if not trainer.should_stop:
+        return stopped
+    for cb in trainer.callbacks:
+        if isinstance(cb, NonFiniteGuard) and cb.stopped_at is not None:
+            return {"stopped_by": type(cb).__name__, "stopped_at_step": cb.stopped_at}
+        if isinstance(cb, EarlyStopping) and cb.stopped_epoch:
+            return {"stopped_by": type(cb).__name__, "stopped_at_step": trainer.global_step}
+    for cb in trainer.callbacks:
+        remaining = cb.time_remaining() if isinstance(cb, Timer) else None
+        if remaining is not None and remaining <= 0:
+            return stopped
+    return {"stopped_by": None, "stopped_at_step": trainer.global_step}
+
+
+def run_status(oom: bool, stopped_early: bool, train_loss: float | None) -> str:
+    """metrics.json's ``status``: what became of the fit, the first of these that applies.
+
+    ``oom``: an out-of-memory error was caught (``continue_on_oom=true``); ``stopped``: a callback ended the fit
+    before its ``max_steps``/``max_epochs`` (:func:`early_stop`; ``NonFiniteGuard`` on non-finite steps);
+    ``diverged``: the final training loss is NaN or infinite; ``ok`` otherwise. (A sweep job refused by a check
+    before training is written as ``refused`` by the CLI.)
+
+    Args:
+        oom: the fit ran out of memory.
+        stopped_early: a callback set ``trainer.should_stop``.
+        train_loss: the final training loss, ``None`` when none was logged (e.g. a resume at ``max_steps``).
+    """
+    if oom:
+        return "oom"
+    if stopped_early:
+        return "stopped"
+    if train_loss is not None and not math.isfinite(train_loss):
+        return "diverged"
+    return "ok"
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit the configured model and return the run's metrics (also written to ``metrics.json`` on rank 0).
 
@@ -161,8 +211,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         default_root_dir=str(run_dir),
         **trainer_precision_kwargs(precision, strategy),
     )
-    status = "ok"
+    oom = False
     train_loss = None
+    stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
     info = _strategy_info(trainer, cfg)
     t0 = time.perf_counter()
     try:
@@ -170,16 +221,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Read before the final validation pass: it resets the callback metrics, and under DeepSpeed it
         # re-initialises the engine for inference (without ZeRO below stage 3).
         train_loss = trainer.callback_metrics.get("train_loss")
+        stopped = early_stop(trainer)
         info = _strategy_info(trainer, cfg)
         _final_validation(trainer, module, datamodule, clock)
     except torch.OutOfMemoryError:
         if not cfg.get("continue_on_oom", False):
             raise
-        status = "oom"
+        oom = True
         log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
     wall = time.perf_counter() - t0
 
-    metrics = _collect_metrics(cfg, trainer, module, clock, precision, status, wall, train_loss, info)
+    loss = float(train_loss) if train_loss is not None else None
+    status = run_status(oom, stopped["stopped_at_step"] is not None, loss)
+    if status == "diverged":
+        log.warning("the final train loss is %s: recorded as status=diverged", loss)
+    metrics = _collect_metrics(cfg, trainer, module, clock, precision, {"status": status, **stopped}, wall, loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).write_text(metrics_json(metrics))
@@ -214,9 +270,9 @@ def _collect_metrics(
     module: LitGPT,
     clock: RunClock,
     precision: Any,
-    status: str,
+    outcome: dict[str, Any],
     wall: float,
-    train_loss: torch.Tensor | None,
+    train_loss: float | None,
     strategy_info: dict[str, Any],
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
@@ -225,7 +281,7 @@ def _collect_metrics(
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
     micro = int(getattr(trainer.datamodule, "batch_size", None) or cfg.data.batch_size)
     metrics: dict[str, Any] = {
-        "status": status,
+        **outcome,
         "model": cfg.model.name,
         "n_params": module.config.n_params(),
         **strategy_info,
@@ -239,7 +295,7 @@ def _collect_metrics(
         "global_batch_size": micro * trainer.accumulate_grad_batches * world,
         "seq_len": cfg.data.seq_len,
         "global_step": trainer.global_step,
-        "train_loss": float(train_loss) if train_loss is not None else None,
+        "train_loss": train_loss,
         "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
         "tokens_seen": trainer.global_step * trainer.accumulate_grad_batches * micro * cfg.data.seq_len * world,
         "tokens_this_run": tokens_this_run,

@@ -80,6 +80,24 @@ def test_validation_loss_falls_on_the_stdlib_corpus(tmp_path):
     assert metrics["val_loss"] < 3.6
 
 
+def test_a_run_the_non_finite_guard_stops_is_recorded_as_stopped(tmp_path):
+    overrides = [
+        *TINY,
+        "trainer.max_steps=6",
+        "optimizer.lr=1e6",
+        "trainer.gradient_clip_val=null",
+        "data=synthetic",
+        "callbacks=[non_finite_guard]",
+        "callbacks.non_finite_guard.policy=stop",
+    ]
+    train(compose_config(overrides, tmp_path))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["status"] == "stopped"
+    assert metrics["stopped_by"] == "NonFiniteGuard"
+    assert metrics["stopped_at_step"] == metrics["non_finite"]["stopped_at_step"] < 6
+    assert metrics["global_step"] < 6
+
+
 def test_unknown_options_list_the_choices_without_traceback():
     for arg, group in (("model=nope", "model"), ("+strategy=zero9", "strategy")):
         proc = run_cli(arg)
@@ -101,6 +119,8 @@ def test_bad_input_exits_with_one_clear_line(tmp_path, args, key):
     record = tmp_path / "run" / ".hydra" / "config.yaml"
     record.parent.mkdir(parents=True)
     record.write_text("the original run's config\n")
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "last.ckpt").write_text("the original run's weights\n")
     proc = run_cli(*args, f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error: {key}=")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import os
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from lightning_trainopt.app import cli
 from lightning_trainopt.exceptions import ConfigError
@@ -98,15 +102,95 @@ def test_sweep_goes_on_past_refused_jobs_and_writes_its_summary(tmp_path):
 
 
 def test_an_existing_run_directory_keeps_its_hydra_record(tmp_path):
-    from datetime import datetime
-
     when = datetime(2026, 11, 30, 18, 5, 9)
     argv = ["train.py", f"hydra.run.dir={tmp_path}", "ckpt_path=last"]
     assert cli.keep_earlier_hydra_record(argv, when) == argv  # a new directory: Hydra's own .hydra/
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "config.yaml").write_text("x")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_text("weights")
     assert cli.keep_earlier_hydra_record(argv, when) == [*argv, "hydra.output_subdir=.hydra/2026-11-30_18-05-09"]
+    assert (tmp_path / ".hydra" / "config.yaml").read_text() == "x"
     # Sweeps, and Lightning's DDP children (they set hydra.output_subdir themselves), are left alone.
     assert cli.keep_earlier_hydra_record(["train.py", "-m", *argv[1:]], when) == ["train.py", "-m", *argv[1:]]
     child = [*argv, "hydra.output_subdir=null"]
     assert cli.keep_earlier_hydra_record(child, when) == child
+
+
+def _record(run_dir, overrides: str, written: datetime) -> None:
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (hydra_dir / name).write_text(overrides if name == "overrides.yaml" else name)
+    os.utime(hydra_dir / "config.yaml", (written.timestamp(), written.timestamp()))
+
+
+@pytest.mark.parametrize("metrics", [None, {"status": "refused", "error": "optimizer.lr=-1 is invalid"}])
+def test_a_refused_command_does_not_own_the_run_directorys_record(tmp_path, metrics):
+    # Nothing trained here (no checkpoint; no metrics.json, or a sweep's refusal): the refused command's record moves
+    # to .hydra/<when it was written>/ and the next command takes the top level.
+    refused_at = datetime(2026, 11, 30, 17, 0, 1)
+    _record(tmp_path, "- optimizer.lr=-1\n", refused_at)
+    if metrics is not None:
+        (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    argv = ["train.py", "trainer.max_steps=12", f"hydra.run.dir={tmp_path}"]
+    assert cli.keep_earlier_hydra_record(argv, datetime(2026, 11, 30, 18, 5, 9)) == argv
+    aside = tmp_path / ".hydra" / "2026-11-30_17-00-01"
+    assert sorted(p.name for p in aside.iterdir()) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert (aside / "overrides.yaml").read_text() == "- optimizer.lr=-1\n"
+    assert sorted(p.name for p in (tmp_path / ".hydra").iterdir()) == ["2026-11-30_17-00-01"]
+    # A second refusal written in the same second keeps both records aside.
+    _record(tmp_path, "- optimizer.lr=-2\n", refused_at)
+    assert cli.keep_earlier_hydra_record(argv) == argv
+    assert (tmp_path / ".hydra" / "2026-11-30_17-00-01_1" / "overrides.yaml").read_text() == "- optimizer.lr=-2\n"
+
+
+def test_a_run_that_wrote_metrics_keeps_its_record(tmp_path):
+    _record(tmp_path, "- trainer.max_steps=12\n", datetime(2026, 11, 30, 17, 0, 1))
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "diverged"}))
+    argv = ["train.py", f"hydra.run.dir={tmp_path}", "ckpt_path=last"]
+    when = datetime(2026, 11, 30, 18, 5, 9)
+    assert cli.keep_earlier_hydra_record(argv, when) == [*argv, "hydra.output_subdir=.hydra/2026-11-30_18-05-09"]
+    assert (tmp_path / ".hydra" / "overrides.yaml").read_text() == "- trainer.max_steps=12\n"
+
+
+def test_a_refusal_reaches_the_runs_log_file_and_the_terminal_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_in_multirun", lambda: False)
+    root = logging.getLogger()
+    log_file = logging.FileHandler(tmp_path / "train.log")
+    console = logging.StreamHandler(sys.stdout)
+    root.addHandler(log_file)
+    root.addHandler(console)
+    try:
+
+        def refused(cfg):
+            raise ConfigError("optimizer.lr", -1, "use a positive learning rate, e.g. 3e-4.")
+
+        with pytest.raises(SystemExit) as exit_:
+            cli._guarded(refused)(None)
+    finally:
+        root.removeHandler(log_file)
+        root.removeHandler(console)
+        log_file.close()
+    assert exit_.value.code == 2
+    line = "error: optimizer.lr=-1 is invalid: use a positive learning rate, e.g. 3e-4."
+    assert line in (tmp_path / "train.log").read_text()
+    out = capsys.readouterr()
+    assert out.err == line + "\n"
+    assert line not in out.out  # already on stderr: not printed a second time by the console handler
+
+
+@pytest.mark.slow
+def test_the_first_command_that_trains_owns_the_run_directorys_record(tmp_path):
+    run_dir = tmp_path / "run"
+    common = ["callbacks=none", "logger=none", f"hydra.run.dir={run_dir}"]
+    refused = _train(["trainer.max_steps=2", "scheduler.warmup_steps=5", *common])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    trained = _train(["trainer.max_steps=2", "scheduler.warmup_steps=1", *common])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    top = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
+    assert "scheduler.warmup_steps=1" in top
+    (aside,) = [p for p in (run_dir / ".hydra").iterdir() if p.is_dir()]
+    assert "scheduler.warmup_steps=5" in OmegaConf.load(aside / "overrides.yaml")
+    log = (run_dir / "train.log").read_text()
+    assert "error: scheduler.warmup_steps=5 is invalid" in log

@@ -10,6 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_trainopt.app.ladder import LadderReport, collect_ladder, write_ladder_report
+from lightning_trainopt.app.sweep import write_summary
 from tests.helpers.compose import compose_config
 
 
@@ -80,3 +81,46 @@ def test_a_report_that_cannot_be_written_fails_the_sweep(tmp_path, monkeypatch):
     monkeypatch.setattr(ladder, "write_ladder_report", broken)
     with pytest.raises(SystemExit, match="ladder report not written .RuntimeError: disk full"):
         LadderReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+
+
+def test_a_diverged_or_stopped_rung_is_not_shown_as_a_success(tmp_path):
+    sweep = tmp_path / "sweep"
+    _job(sweep, 0, "fp32", {"status": "ok", "tokens_per_sec": 4000.0}, tmp_path)
+    _job(sweep, 1, "bf16", {"status": "diverged", "train_loss": None, "tokens_per_sec": 5000.0}, tmp_path)
+    stopped = {"status": "stopped", "stopped_by": "NonFiniteGuard", "stopped_at_step": 4}
+    _job(sweep, 2, "zero1", stopped, tmp_path)
+    rows = collect_ladder(sweep)
+    assert [(r.rung, r.status) for r in rows] == [("fp32", "ok"), ("bf16", "diverged"), ("zero1", "stopped")]
+    assert (rows[2].stopped_by, rows[2].stopped_at_step) == ("NonFiniteGuard", 4)
+    md = write_ladder_report(rows, sweep)["md"].read_text()
+    assert "| 1 | bf16 | diverged |" in md
+    assert "| 2 | zero1 | stopped (NonFiniteGuard at step 4) |" in md
+    assert md.rstrip().endswith("Not a success: bf16 (diverged), zero1 (stopped (NonFiniteGuard at step 4)).")
+
+
+def _sweep_job(sweep: Path, num: int, overrides: list[str], metrics: dict | None) -> None:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    OmegaConf.save(overrides, job / ".hydra" / "overrides.yaml")
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_sweep_summary_shows_each_jobs_status_and_counts_them(tmp_path):
+    # The summary of any `-m` sweep (app/sweep.py), from the same kind of job directories.
+    sweep = tmp_path / "sweep"
+    _sweep_job(sweep, 0, ["optimizer.lr=3e-4"], {"status": "ok", "train_loss": 2.5})
+    _sweep_job(sweep, 1, ["optimizer.lr=1e6"], {"status": "diverged", "train_loss": None})
+    guard = {"status": "stopped", "stopped_by": "NonFiniteGuard", "stopped_at_step": 4, "train_loss": 5.5}
+    _sweep_job(sweep, 2, ["optimizer.lr=1e5"], guard)
+    _sweep_job(sweep, 3, ["optimizer.lr=-1"], {"status": "refused", "error": "optimizer.lr=-1 is invalid"})
+    md_path, csv_path = write_summary(sweep)
+    md = md_path.read_text()
+    assert "| 1 | optimizer.lr=1e6 | diverged |" in md
+    assert "| 2 | optimizer.lr=1e5 | stopped (NonFiniteGuard at step 4) |" in md
+    assert "4 job(s): 1 ok, 1 diverged, 1 refused, 1 stopped;" in md
+    with csv_path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["ok", "diverged", "stopped", "refused"]
+    assert rows[2]["stopped_by"] == "NonFiniteGuard"
+    assert rows[2]["stopped_at_step"] == "4"
