@@ -285,16 +285,20 @@ def _next_step(
 ) -> str:
     """What to run instead of a configuration that does not fit.
 
-    The fewest devices (1, 2, 4, 8 x the planned count: devices per node, or nodes when there are several) and then
+    The fewest devices (1, 2, 4, 8 x the planned count: devices per node; nodes when there are several or when the
+    host RAM is what does not fit) and then
     the simplest strategy (the planned one first, then ``plan.search_space.strategy``) at which the same precision,
     activations, optimizer and micro-batch fit, as a ``train.py`` command; else what else to change.
     """
     space = search_space_from_cfg((cfg.get("plan") or {}).get("search_space"), _conf_dir(cfg), inputs.world_size)
     current = choices.get("strategy")
     user_json = deepspeed_user_config(cfg.get("strategy"))
+    # More devices in one node leave the node's offloaded bytes as they are (each rank's share shrinks as the ranks
+    # grow): when the host RAM is what does not fit, or there are already several nodes, grow the nodes instead.
+    grow_nodes = inputs.num_nodes > 1 or run(inputs).host_fits is False
     for factor in (1, 2, 4, 8):
-        devices = inputs.devices * (factor if inputs.num_nodes == 1 else 1)
-        nodes = inputs.num_nodes * (1 if inputs.num_nodes == 1 else factor)
+        devices = inputs.devices * (1 if grow_nodes else factor)
+        nodes = inputs.num_nodes * (factor if grow_nodes else 1)
         world = devices * nodes
         options: list[tuple[str | None, StrategyLayout]] = []
         if factor > 1:
@@ -372,6 +376,7 @@ def plan(cfg: DictConfig) -> PlanResult:
             tps,
             headroom,
             hardware.host_memory_bytes,
+            device_is_host=not on_cuda,
         )
 
     est = run(inputs)

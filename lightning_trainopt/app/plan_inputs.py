@@ -16,6 +16,7 @@ from lightning_trainopt.core.estimate import (
     StrategyLayout,
     optimizer_state_model,
 )
+from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_buffers
 from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.models.config import GPTConfig
@@ -141,6 +142,9 @@ def _json_layout(name: str, ds: dict[str, Any]) -> StrategyLayout:
     def swap(block: dict[str, Any], name: str, field: str, default: int, minimum: int) -> int:
         return _whole(f"{key}.{name}.{field}", block[field], minimum) if field in block else default
 
+    if opt_swap.get("device") == "nvme" and "buffer_count" in opt_swap:
+        check_optimizer_swap_buffers(f"{key}.offload_optimizer.buffer_count", opt_swap["buffer_count"])
+
     return StrategyLayout(
         name=name,
         kind="deepspeed",
@@ -196,6 +200,8 @@ def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
         off_par = "none"
         if node.get("offload_parameters"):
             off_par = str(node.get("offload_params_device", "cpu"))
+        if off_opt == "nvme" and "optimizer_buffer_count" in node:
+            check_optimizer_swap_buffers("strategy.optimizer_buffer_count", node["optimizer_buffer_count"])
         # TrainOptDeepSpeedStrategy keeps ZeRO-3 parameters under 10,000 elements whole unless told otherwise.
         persistence = 10_000 if target.endswith("TrainOptDeepSpeedStrategy") else 100_000
         return StrategyLayout(

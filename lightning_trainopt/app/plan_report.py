@@ -201,7 +201,8 @@ def _print_host(e: PlanEstimate, hw: HardwareSpec, console: Console) -> None:
     if not per_node:
         return
     ranks = e.inputs.devices
-    used = f"{_g(per_node)} GiB offloaded per node ({_g(per_node // ranks)} GiB x {ranks} rank{'s' * (ranks > 1)})"
+    what = "in RAM (the CPU is the device)" if e.device_is_host else "offloaded"
+    used = f"{_g(per_node)} GiB {what} per node ({_g(per_node // ranks)} GiB x {ranks} rank{'s' * (ranks > 1)})"
     if e.host_fits is None:
         console.print(f"host RAM: {used}; RAM of a node unknown: set hardware.host_memory_gb to get a verdict.")
         return

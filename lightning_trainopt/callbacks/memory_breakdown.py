@@ -39,7 +39,6 @@ def accounted_model_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -
     return out
 
 
-
 def _metric_names(row: dict[str, Any]) -> dict[str, float]:
     """The logged ``memory/<key>_bytes`` metrics of a breakdown row (``peak_memory_bytes`` keeps its one suffix)."""
     return {
@@ -47,6 +46,7 @@ def _metric_names(row: dict[str, Any]) -> dict[str, float]:
         for k, v in row.items()
         if isinstance(v, int) and not isinstance(v, bool)
     }
+
 
 class MemoryBreakdown(Callback):
     """The four-part memory table (model states, activations, other) per rank at chosen optimizer steps.

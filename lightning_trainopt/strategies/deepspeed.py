@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_buffers
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.strategies.deepspeed_json import check_json_precision
 from lightning_trainopt.strategies.nvme_resume import restore_nvme_optimizer_state
@@ -149,6 +150,14 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         # in the user's JSON is kept. The user's file is never rewritten (this is the loaded dict).
         self.config.setdefault("zero_allow_untested_optimizer", True)
         zero = self.config.get("zero_optimization")
+        swap = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+        if isinstance(swap, dict) and swap.get("device") == "nvme" and "buffer_count" in swap:
+            key = (
+                "strategy.config.zero_optimization.offload_optimizer.buffer_count"
+                if user_config
+                else "strategy.optimizer_buffer_count"
+            )
+            check_optimizer_swap_buffers(key, swap["buffer_count"])
         if not user_config and isinstance(zero, dict) and zero.get("stage") == 3:
             threshold = (
                 DEFAULT_PERSISTENCE_THRESHOLD if param_persistence_threshold is None else param_persistence_threshold

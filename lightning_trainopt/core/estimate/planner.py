@@ -102,6 +102,8 @@ class PlanEstimate:
             must fit in it, less the same headroom fraction (each rank's process, its CUDA context and data loader
             workers, which the planner does not count).
         headroom_fraction: the share of device and host memory kept free.
+        device_is_host: the "device" is the CPU (planning for ``hardware=cpu``/``auto`` on a CPU machine): its peak is
+            host RAM too, and counts in ``host_bytes_per_node``.
     """
 
     inputs: PlanInputs
@@ -112,6 +114,7 @@ class PlanEstimate:
     headroom_bytes: int = 0
     host_memory_bytes: int | None = None
     headroom_fraction: float = 0.0
+    device_is_host: bool = False
 
     @property
     def total_device_bytes(self) -> int:
@@ -132,8 +135,10 @@ class PlanEstimate:
 
     @property
     def host_bytes_per_node(self) -> int:
-        """Bytes offloaded to host RAM by the ranks of one node (per-rank CPU bytes x devices per node)."""
-        return self.memory.bytes(location="cpu") * self.inputs.devices
+        """Host RAM the ranks of one node take: per-rank CPU bytes (plus the device peak when the device is the CPU)
+        x devices per node."""
+        device = self.peak_device_bytes if self.device_is_host else 0
+        return (self.memory.bytes(location="cpu") + device) * self.inputs.devices
 
     @property
     def host_usable_bytes(self) -> int | None:
@@ -179,6 +184,7 @@ def estimate_plan(
     measured_tokens_per_sec_per_device: float | None = None,
     headroom_fraction: float = 0.0,
     host_memory_bytes: int | None = None,
+    device_is_host: bool = False,
 ) -> PlanEstimate:
     """Estimate memory, speed and cost of one configuration.
 
@@ -193,6 +199,7 @@ def estimate_plan(
         headroom_fraction: share of the device memory kept free (CUDA context, NCCL, fragmentation), in [0, 1);
             the same share of the host RAM is kept free for the ranks' processes.
         host_memory_bytes: host RAM of one node, for the verdict on offloaded bytes (``None``: unknown).
+        device_is_host: the planned device is the CPU: its peak counts against the host RAM too.
 
     Raises:
         ConfigError: ``headroom_fraction`` outside [0, 1).
@@ -238,5 +245,13 @@ def estimate_plan(
     )
     headroom = int(headroom_fraction * device_memory_bytes) if device_memory_bytes else 0
     return PlanEstimate(
-        inputs, states + acts, speed, device_memory_bytes, per_token, headroom, host_memory_bytes, headroom_fraction
+        inputs,
+        states + acts,
+        speed,
+        device_memory_bytes,
+        per_token,
+        headroom,
+        host_memory_bytes,
+        headroom_fraction,
+        device_is_host,
     )

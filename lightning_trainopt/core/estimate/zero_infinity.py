@@ -10,16 +10,46 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.terms import Term
 from lightning_trainopt.core.estimate.terms import numel_text as _gb
+from lightning_trainopt.exceptions import ConfigError
 
 if TYPE_CHECKING:
     from lightning_trainopt.core.estimate.model_states import StrategyLayout
 
-__all__ = ["nvme_optimizer_terms", "nvme_param_terms", "zero3_sub_groups"]
+__all__ = [
+    "NVME_ADAM_BUFFERS",
+    "check_optimizer_swap_buffers",
+    "nvme_optimizer_terms",
+    "nvme_param_terms",
+    "zero3_sub_groups",
+]
+
+#: Pinned buffers ZeRO-Infinity's Adam takes at once to swap a sub-group in (``swap_in_optimizer_state``): the fp32
+#: weights, both moments and the gradient. With fewer, ``SwapBufferManager.allocate`` returns ``None`` and the first
+#: ``optimizer.step()`` fails on an assertion, after a whole forward and backward.
+NVME_ADAM_BUFFERS = 4
+
+
+def check_optimizer_swap_buffers(key: str, count: Any) -> None:
+    """Refuse an optimizer NVMe-offload ``buffer_count`` DeepSpeed's Adam cannot step with (``key`` names it).
+
+    Raises:
+        ConfigError: ``count`` is not a whole number >= :data:`NVME_ADAM_BUFFERS`.
+    """
+    whole = not isinstance(count, bool) and isinstance(count, (int, float)) and count == int(count)
+    if not whole or count < NVME_ADAM_BUFFERS:
+        raise ConfigError(
+            key,
+            count,
+            f"ZeRO-Infinity's Adam swaps {NVME_ADAM_BUFFERS} tensors of a sub-group in at once (fp32 weights, two "
+            f"moments, gradient): use >= {NVME_ADAM_BUFFERS} (Lightning's default 4), and lower sub_group_size to "
+            "shrink each buffer instead.",
+        )
+
 
 # DeepSpeed swaps only tensors of at least MIN_AIO_BYTES (and aio block_size, Lightning's default 1 MiB too), and
 # aligns swap buffers to AIO_ALIGNED_BYTES (swap_tensor/utils.py, intra_op_parallelism 1).

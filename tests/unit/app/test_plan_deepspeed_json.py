@@ -196,6 +196,33 @@ def test_bad_infinity_buffer_knobs_are_refused_with_the_key(node, key):
         strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **node}, 2)
 
 
+_NVME = {"device": "nvme", "nvme_path": "/tmp"}
+
+
+@pytest.mark.parametrize(
+    ("node", "key"),
+    [
+        (
+            {"config": {"zero_optimization": {"stage": 3, "offload_optimizer": {**_NVME, "buffer_count": 3}}}},
+            "strategy.config.zero_optimization.offload_optimizer.buffer_count",
+        ),
+        (
+            {"stage": 3, "offload_optimizer": True, "offload_optimizer_device": "nvme", "optimizer_buffer_count": 3},
+            "strategy.optimizer_buffer_count",
+        ),
+    ],
+)
+def test_fewer_optimizer_swap_buffers_than_adam_takes_are_refused(node, key):
+    # DeepSpeed's swap_in_optimizer_state takes 4 pinned buffers at once (fp32 weights, 2 moments, gradient); with 3
+    # the first optimizer step fails on an assertion, after a whole forward and backward.
+    with pytest.raises(ConfigError, match="swaps 4 tensors") as err:
+        strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **node}, 2)
+    assert err.value.key == key
+    # CPU offload has no swap buffers: the count is not used, so 3 passes there.
+    cpu = {"stage": 3, "offload_optimizer": True, "offload_optimizer_device": "cpu", "optimizer_buffer_count": 3}
+    assert strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **cpu}, 2).offload_optimizer == "cpu"
+
+
 @pytest.mark.parametrize(
     ("ds", "extra", "error", "key"),
     [

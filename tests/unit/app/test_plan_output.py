@@ -233,3 +233,38 @@ def test_the_search_drops_offload_plans_the_host_cannot_hold(tmp_path):
     assert "zero3_offload" in strategies(roomy)
     assert "zero3_offload" not in strategies(tight)
     assert all(c.estimate.host_fits is not False for c in tight.candidates)
+
+
+def test_when_the_host_is_what_does_not_fit_the_next_step_adds_nodes(tmp_path):
+    # 13B under ZeRO-3 CPU offload: 30.3 GiB per rank, 242 GiB per 8-GPU node, on nodes with 150 GiB of RAM. More
+    # GPUs in the same node would hold the same 242 GiB: only more nodes divide it.
+    cfg = [
+        "model=llama_13b",
+        "hardware=a100_40gb",
+        "trainer.devices=8",
+        "+strategy=zero3_offload",
+        "precision=bf16",
+        "hardware.host_memory_gb=150",
+    ]
+    result = plan(compose_config(cfg, tmp_path, name="plan"))
+    assert result.estimate.host_fits is False
+    assert "(2 nodes)" in result.next_step
+    command = result.next_step.split("fits: ", 1)[1].split("  (or", 1)[0]
+    assert "trainer.num_nodes=2" in command
+    assert "trainer.devices=8" in command
+    suggested = plan(compose_config(command.split()[2:], tmp_path, name="plan"))
+    assert suggested.estimate.host_fits is True
+    assert suggested.estimate.fits is True
+
+
+def test_on_a_cpu_device_the_peak_counts_against_the_hosts_ram(tmp_path):
+    # hardware=cpu with a given RAM: the "device" is the CPU, so each rank's peak is host RAM too.
+    cfg = ["model=gpt_350m", "hardware=cpu", "trainer.devices=2", "data.batch_size=32", "data.seq_len=1024"]
+    small = plan(compose_config([*cfg, "hardware.host_memory_gb=8"], tmp_path, name="plan")).estimate
+    assert small.memory.bytes(location="cpu") == 0
+    assert small.host_bytes_per_node == 2 * small.peak_device_bytes
+    assert small.host_fits is False
+    assert small.fits is False
+    roomy = plan(compose_config([*cfg, "hardware.host_memory_gb=1024"], tmp_path, name="plan")).estimate
+    assert roomy.host_fits is True
+    assert roomy.fits is None  # no device memory figure for the CPU itself

@@ -78,6 +78,23 @@ def test_json_precision_block_must_match_trainer_precision():
         s._format_config()
 
 
+@pytest.mark.parametrize("user_json", [False, True])
+def test_too_few_optimizer_swap_buffers_for_adam_are_refused_before_training(user_json):
+    key = (
+        "strategy.config.zero_optimization.offload_optimizer.buffer_count"
+        if user_json
+        else "strategy.optimizer_buffer_count"
+    )
+    kwargs = (
+        {"config": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "buffer_count": 2}}}}
+        if user_json
+        else {"stage": 3, "offload_optimizer": True, "offload_optimizer_device": "nvme", "optimizer_buffer_count": 2}
+    )
+    with pytest.raises(ConfigError, match="swaps 4 tensors") as err:
+        TrainOptDeepSpeedStrategy(**kwargs)
+    assert err.value.key == key
+
+
 def test_negative_persistence_threshold_refused():
     with pytest.raises(ConfigError, match="param_persistence_threshold"):
         TrainOptDeepSpeedStrategy(stage=3, param_persistence_threshold=-1)
