@@ -9,7 +9,9 @@ counts them through ``torch.autograd.graph.saved_tensors_hooks``:
   ``parameter_bytes``: they are model states, not activations;
 - autocast's half-precision casts of parameters, saved for the input gradient, are activations but are also reported
   as ``weight_copy_bytes`` (they do not grow with the micro-batch): a cast of a trainable parameter is traced through
-  autograd, a cast of a frozen one (LoRA's base weights) is matched by shape and value against the ``params`` given;
+  autograd, a cast of a frozen one (LoRA's base weights) is matched by value against the frozen ``params`` given:
+  an index built when the counter is created finds a weight-shaped saved tensor's candidate (shape, device and a few
+  sampled values) with one small read, and the candidate is confirmed element by element in bounded chunks;
 - what is counted is what is **really kept**. A memory technique that changes what is stored (8-bit
   compression, CPU offload) registers a :class:`SavedTensorsTransform` through :func:`transform_saved_tensors`;
   the counter then counts the transform's output (int8 data + scales, a CPU copy), not the original. Non-reentrant
@@ -48,6 +50,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_trainopt.core.frozen_weights import FrozenWeightIndex
+
 __all__ = [
     "SavedTensorsCounter",
     "SavedTensorsReport",
@@ -83,7 +87,8 @@ class SavedTensorsReport:
         by_dtype: ``activation_bytes`` split by dtype name (``float32``, ``int8``, ...).
         weight_copy_bytes: the part of ``activation_bytes`` that is dtype casts of parameters (autocast's
             half-precision weight copies, kept for the input gradient): it does not grow with the micro-batch.
-            Casts of frozen parameters are in it when the counter was given them as ``params``.
+            Casts of frozen parameters (``requires_grad=False``) are in it when the counter was given them as
+            ``params``.
     """
 
     activation_bytes: int
@@ -150,24 +155,13 @@ def is_weight_copy(t: torch.Tensor) -> bool:
 
     Traced through autograd: the cast's ``ToCopyBackward0`` node leads straight to the parameter's gradient
     accumulator. A cast of a frozen parameter has no autograd history and is not recognised here;
-    :class:`SavedTensorsCounter` recognises it by shape and value among the ``params`` it is given.
+    :class:`SavedTensorsCounter` recognises it by value among the frozen ``params`` it is given.
     """
     base = t._base if t._base is not None else t
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     return any(isinstance(getattr(nxt, "variable", None), torch.nn.Parameter) for nxt, _ in fn.next_functions)
-
-
-def _is_cast_of(t: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether plain tensor ``t`` holds exactly ``p``'s values cast to ``t``'s dtype (shapes already equal)."""
-    w = p.detach()
-    if type(w) is not torch.Tensor or w.device != t.device or w.dtype == t.dtype or not w.is_floating_point():
-        return False  # sharded (DTensor) or quantized parameters are not compared: no collective, no dequantizing
-    # One row first, so a tensor that merely has a parameter's shape costs a row, not a whole cast of the weight.
-    if t.dim() and not torch.equal(t[0], w[0].to(t.dtype)):
-        return False
-    return torch.equal(t, w.to(t.dtype))
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -190,8 +184,11 @@ class SavedTensorsCounter:
         params: parameters whose storages are reported as ``parameter_bytes`` rather than activations.
             ``nn.Parameter`` instances and views of leaf tensors that require grad are recognised without it;
             pass it where parameters are swapped for gathered copies (ZeRO-3, FSDP). A saved tensor without autograd
-            history equal to one of them cast to another dtype (autocast's copy of a frozen weight, or a view of it)
-            counts in ``weight_copy_bytes``; only tensors shaped like a parameter are compared, once per storage.
+            history equal to a frozen one (``requires_grad=False``) cast to another dtype (autocast's copy of a frozen
+            weight, or a view of it) counts in ``weight_copy_bytes``. The frozen ones are indexed when the counter is
+            created, by shape, device and 16 sampled values in bf16/fp16: a saved tensor shaped like one of them costs
+            one 16-element read to find its candidates (usually one), each confirmed chunk by chunk (at most 2**20
+            elements cast at a time), once per storage. DTensor, quantized and meta parameters are not indexed.
 
     Example::
 
@@ -201,13 +198,12 @@ class SavedTensorsCounter:
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        params = list(params) if params is not None else []
         self._param_keys: set[tuple[str, int]] = set()
-        self._params_by_shape: dict[torch.Size, list[torch.Tensor]] = {}
-        for p in params if params is not None else ():
+        for p in params:
             device, ptr, _ = _storage_key(p)
             self._param_keys.add((device, ptr))
-            if p.numel() and p.device.type != "meta":
-                self._params_by_shape.setdefault(p.shape, []).append(p)
+        self._frozen = FrozenWeightIndex(params)
         self.peak = 0
         self.peak_weight_copy_bytes = 0
         self.n_marks = 0
@@ -264,18 +260,17 @@ class SavedTensorsCounter:
                     self._copy_keys.add(key)
 
     def _is_frozen_weight_copy(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (or the tensor it views) is a cast, without autograd history, of one of ``params``."""
+        """Whether ``t`` (or the tensor it views) is a cast, without autograd history, of a frozen one of ``params``."""
         base = t._base if t._base is not None else t
         if type(base) is not torch.Tensor or base.grad_fn is not None or not base.is_floating_point():
             return False
-        candidates = self._params_by_shape.get(base.shape)
-        if not candidates:
+        if base.layout is not torch.strided or (base.shape, str(base.device)) not in self._frozen.shapes:
             return False
         key = _storage_key(base)
         ref, known = self._cast_checked.get(key, (None, False))
         if ref is not None and ref() is not None:
             return known
-        found = any(_is_cast_of(base, p) for p in candidates)
+        found = self._frozen.holds_cast(base)
         ref = _storage_ref(base)
         if ref is not None:
             self._cast_checked[key] = (ref, found)

@@ -202,25 +202,124 @@ def test_frozen_weight_copy_is_matched_by_value_not_by_shape() -> None:
 
 
 def test_a_storage_saved_by_every_layer_is_compared_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    # An attention mask shaped like a weight, saved by every layer, costs one comparison, not one per save.
-    from lightning_trainopt.core import saved_tensors
+    # A mask shaped like a frozen weight (and, worse, equal to its bf16 cast in every sampled element), saved by every
+    # layer, costs one sampled read and one comparison, not one per save.
+    from lightning_trainopt.core import frozen_weights
 
+    frozen = nn.Linear(8, 8, bias=False).requires_grad_(False)
+    mask = frozen.weight.detach().to(torch.bfloat16)
+    mask[3, 3] += 1  # flat index 27: not among the sampled elements of an 8x8 tensor
+    h = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    counter = SavedTensorsCounter(params=frozen.parameters())
+    calls: list[str] = []
+    real_cast_of, real_fingerprint = frozen_weights._is_cast_of, frozen_weights._fingerprint
+
+    def counting_cast_of(t: torch.Tensor, p: torch.Tensor) -> bool:
+        calls.append("compare")
+        return real_cast_of(t, p)
+
+    def counting_fingerprint(t: torch.Tensor) -> bytes:
+        calls.append("read")
+        return real_fingerprint(t)
+
+    monkeypatch.setattr(frozen_weights, "_is_cast_of", counting_cast_of)
+    monkeypatch.setattr(frozen_weights, "_fingerprint", counting_fingerprint)
+    with counter:
+        for _ in range(4):
+            h = h * mask
+    assert counter.report().weight_copy_bytes == 0
+    assert calls == ["read", "compare"]
+
+
+def test_zero_input_shaped_like_a_zero_trainable_weight_is_an_activation() -> None:
+    # LoRA's B is zero-initialised and trainable: its casts are traced through autograd, so it is no candidate for
+    # value matching. An all-padding input of B's shape is an activation, not a weight copy.
+    lora_b = nn.Linear(4, 16, bias=False)
+    nn.init.zeros_(lora_b.weight)
+    first = nn.Linear(4, 8, bias=False)
+    x = torch.zeros(16, 4)
+    params = [*lora_b.parameters(), *first.parameters()]
+    with SavedTensorsCounter(params=params) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        first(x)  # saves x's bf16 cast for the weight gradient; x needs no gradient, so not the weight's copy
+    report = counter.report()
+    assert report.activation_bytes == 16 * 4 * 2
+    assert report.weight_copy_bytes == 0
+
+
+def test_many_same_shaped_frozen_weights_cost_one_comparison_per_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 24 frozen weights of one shape: each saved copy finds its own weight by a sampled read, not by trying them all.
+    from lightning_trainopt.core import frozen_weights
+
+    torch.manual_seed(0)
+    n = 24
+    frozen = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(n)]).requires_grad_(False)
     calls: list[int] = []
-    real = saved_tensors._is_cast_of
+    real = frozen_weights._is_cast_of
 
     def counting(t: torch.Tensor, p: torch.Tensor) -> bool:
         calls.append(1)
         return real(t, p)
 
-    monkeypatch.setattr(saved_tensors, "_is_cast_of", counting)
-    frozen = nn.Linear(8, 8, bias=False).requires_grad_(False)
-    mask = torch.rand(8, 8).to(torch.bfloat16)
-    h = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
-    with SavedTensorsCounter(params=frozen.parameters()) as counter:
-        for _ in range(4):
-            h = h * mask
-    assert counter.report().weight_copy_bytes == 0
-    assert len(calls) == 1
+    monkeypatch.setattr(frozen_weights, "_is_cast_of", counting)
+    x = torch.randn(4, 16, requires_grad=True)  # every layer's input needs a gradient: each saves its weight's copy
+    with SavedTensorsCounter(params=frozen.parameters()) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        frozen(x)
+    assert counter.report().weight_copy_bytes == n * 16 * 16 * 2
+    assert len(calls) == n
+
+
+@pytest.mark.parametrize("shape", [(1536, 1024), (2, 1_200_000)])
+def test_confirming_a_copy_never_casts_a_whole_weight(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int]) -> None:
+    # The check runs inside the measured step: on CUDA a whole-weight temporary would raise the peak it reports.
+    # Every storage the check allocates is recorded (views of existing ones are not); the largest must be a bounded
+    # chunk (rows, or part of one row), not the weight cast to bf16.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from lightning_trainopt.core import frozen_weights
+
+    allocated: list[int] = []
+
+    class RecordAllocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            inputs = {
+                t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            }
+            out = func(*args, **kwargs)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    allocated.append(t.untyped_storage().nbytes())
+            return out
+
+    real = SavedTensorsCounter._is_frozen_weight_copy
+
+    def recorded(self: SavedTensorsCounter, t: torch.Tensor) -> bool:
+        with RecordAllocations():
+            return real(self, t)
+
+    monkeypatch.setattr(SavedTensorsCounter, "_is_frozen_weight_copy", recorded)
+    weight = nn.Parameter(torch.randn(shape), requires_grad=False)
+    cast = weight.detach().to(torch.bfloat16)
+    a = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+    with SavedTensorsCounter(params=[weight]) as counter:
+        a * cast  # saves cast for a's gradient
+    assert counter.report().weight_copy_bytes == weight.numel() * 2
+    assert allocated
+    assert max(allocated) < 2 * weight.numel()  # smaller than the whole weight cast to bf16
+    assert max(allocated) <= 2 * frozen_weights._CHUNK_NUMEL  # one bf16 chunk
+
+
+def test_frozen_half_weight_cast_up_is_a_copy() -> None:
+    # A dtype autocast does not lower to (a bf16 weight cast to fp32): its fingerprints are built when first needed.
+    torch.manual_seed(0)
+    base = nn.Linear(16, 8, bias=False).to(torch.bfloat16).requires_grad_(False)
+    a = torch.randn(8, 16, requires_grad=True)
+    with SavedTensorsCounter(params=base.parameters()) as counter:
+        a * base.weight.float()
+    report = counter.report()
+    assert report.weight_copy_bytes == 8 * 16 * 4
+    assert report.activation_bytes == 8 * 16 * 4
 
 
 def test_peft_lora_copies_of_frozen_base_weights_are_counted() -> None:
