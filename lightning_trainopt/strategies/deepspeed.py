@@ -158,6 +158,8 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
                 else "strategy.optimizer_buffer_count"
             )
             check_optimizer_swap_buffers(key, swap["buffer_count"])
+        if isinstance(zero, dict):
+            self._check_swap_knobs(zero, user_config)
         if not user_config and isinstance(zero, dict) and zero.get("stage") == 3:
             threshold = (
                 DEFAULT_PERSISTENCE_THRESHOLD if param_persistence_threshold is None else param_persistence_threshold
@@ -167,6 +169,36 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
                     "strategy.param_persistence_threshold", threshold, "use a non-negative element count, e.g. 10000."
                 )
             zero["stage3_param_persistence_threshold"] = int(threshold)
+
+    @staticmethod
+    def _check_swap_knobs(zero: dict[str, Any], user_config: bool) -> None:
+        """Refuse ZeRO-3 offload sizes DeepSpeed would reject deep inside engine set-up (keys as the user typed them).
+
+        Raises:
+            ConfigError: a non-integer or out-of-range ``sub_group_size``, ``offload_param.buffer_count``,
+                ``offload_param.buffer_size`` or ``offload_param.max_in_cpu``.
+        """
+        param = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
+        checks = [
+            (zero, "sub_group_size", "sub_group_size", 0),
+            (param, "buffer_count", "params_buffer_count", 1),
+            (param, "buffer_size", "params_buffer_size", 1),
+            (param, "max_in_cpu", "max_in_cpu", 0),
+        ]
+        for block, field, lightning_name, minimum in checks:
+            if field not in block:
+                continue
+            value = block[field]
+            if (
+                not isinstance(value, bool)
+                and isinstance(value, (int, float))
+                and value == int(value)
+                and value >= minimum
+            ):
+                continue
+            where = "offload_param." if block is param else ""
+            key = f"strategy.config.zero_optimization.{where}{field}" if user_config else f"strategy.{lightning_name}"
+            raise ConfigError(key, value, f"use a whole number >= {minimum}.")
 
     # ----------------------------------------------------------------- CPU support
     @property

@@ -95,6 +95,27 @@ def test_too_few_optimizer_swap_buffers_for_adam_are_refused_before_training(use
     assert err.value.key == key
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"params_buffer_count": 0}, "strategy.params_buffer_count"),
+        ({"params_buffer_size": 1.5}, "strategy.params_buffer_size"),
+        ({"max_in_cpu": -1}, "strategy.max_in_cpu"),
+        ({"sub_group_size": -3}, "strategy.sub_group_size"),
+        (
+            {"config": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "buffer_count": 0}}}},
+            "strategy.config.zero_optimization.offload_param.buffer_count",
+        ),
+    ],
+)
+def test_bad_zero3_offload_sizes_are_refused_naming_the_key(kwargs, key):
+    if "config" not in kwargs:
+        kwargs = {"stage": 3, "offload_parameters": True, "offload_params_device": "nvme", **kwargs}
+    with pytest.raises(ConfigError) as err:
+        TrainOptDeepSpeedStrategy(**kwargs)
+    assert err.value.key == key
+
+
 def test_negative_persistence_threshold_refused():
     with pytest.raises(ConfigError, match="param_persistence_threshold"):
         TrainOptDeepSpeedStrategy(stage=3, param_persistence_threshold=-1)
