@@ -9,6 +9,9 @@ GPU (one H200-class device, ~1B model)::
     python bench/strategies.py --accelerator gpu --devices 1 --model gpt_1b --seq-len 1024 --batch-size 4 \
         --precision bf16-mixed --presets ddp zero1 zero2 zero2_offload zero3 zero3_offload
 
+With ``--val-every N`` each fit validates every N steps and once more after ``fit`` (as train.py's final validation
+does), reporting ``val_losses`` by step and ``post_fit_val_loss``.
+
 One preset alone (used by the integration tests; writes a JSON report on rank 0)::
 
     python bench/strategies.py --single zero3 --devices 2 --out /tmp/r.json
@@ -165,8 +168,18 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
         vocab_size=model_cfg.vocab_size,
         seed=args.seed,
     )
-    losses, report = Losses(), StrategyReport(at_step=1)
-    callbacks: list[Any] = [losses, report]
+    class ValLosses(Callback):
+        """``val_loss`` of each validation inside ``fit``, by the step it ran at."""
+
+        def __init__(self) -> None:
+            self.losses: dict[int, float] = {}
+
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            if trainer.state.fn == "fit" and not trainer.sanity_checking:
+                self.losses[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+    losses, report, val_losses = Losses(), StrategyReport(at_step=1), ValLosses()
+    callbacks: list[Any] = [losses, report, val_losses]
     if args.ckpt_dir:
         callbacks.append(
             ModelCheckpoint(
@@ -185,7 +198,8 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
         precision=args.precision,
         max_steps=args.max_steps,
         limit_train_batches=args.epoch_batches or 1.0,
-        limit_val_batches=0,
+        limit_val_batches=args.val_batches if args.val_every else 0,
+        val_check_interval=args.val_every or None,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=bool(args.ckpt_dir),
@@ -197,6 +211,10 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
         callbacks=callbacks,
     )
     trainer.fit(module, dm, ckpt_path=args.resume)
+    post_fit_val = None
+    if args.val_every:
+        # What train.py's final validation does after fit: the strategy sets the trained model up again.
+        post_fit_val = float(trainer.validate(module, dm, verbose=False)[0]["val_loss"])
     ckpt_bytes = None
     if save_to:
         trainer.save_checkpoint(save_to)
@@ -219,6 +237,8 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
         "precision": args.precision,
         "n_params": model_cfg.n_params(),
         "losses": losses.losses,
+        "val_losses": val_losses.losses,
+        "post_fit_val_loss": post_fit_val,
         "step_time_s": sum(steady) / max(len(steady), 1),
         "checkpoint_bytes": ckpt_bytes,
         "torch": torch.__version__,
@@ -282,6 +302,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--epoch-batches", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--val-every", type=int, default=0, help="validate every N steps in fit, then once after it")
+    parser.add_argument("--val-batches", type=int, default=2)
     parser.add_argument("--ckpt-dir")
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--resume")

@@ -82,23 +82,33 @@ def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
     return cpu_adam
 
 
-def _rerun_custom_init(root: torch.nn.Module) -> None:
-    """Re-run model-defined ``reset_parameters`` on gathered ZeRO-3 parameters.
+def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
+    """Re-run model-defined ``reset_parameters`` on gathered ZeRO-3 parameters built inside ``deepspeed.zero.Init``.
 
     ``deepspeed.zero.Init`` partitions each parameter as soon as its ``nn`` module is built, so a custom init that a
     parent module runs at the end of its ``__init__`` (e.g. GPT's N(0, 0.02)) writes into empty placeholders and is
     lost: the shards keep torch's defaults (N(0, 1) embeddings). Each outermost module whose class is not from
     ``torch`` and defines ``reset_parameters`` runs it again with its parameters gathered; rank 0's values are then
     re-partitioned to all ranks. The gather holds that module's full parameters for the duration of the call.
+
+    Only modules whose parameters were all created in this context are re-initialised: Lightning enters the
+    sharded context again for every ``validate``/``test`` after ``fit`` (``configure_model`` then builds nothing),
+    and re-initialising there would replace the trained weights by fresh ones.
+
+    Args:
+        root: the LightningModule.
+        existing: ``id()`` of every parameter that existed before the context was entered.
     """
     import deepspeed
 
     def visit(module: torch.nn.Module) -> None:
+        params = list(module.parameters())
+        if all(id(p) in existing for p in params):
+            return
         custom = type(module).__module__.split(".")[0] != "torch" and callable(
             getattr(module, "reset_parameters", None)
         )
-        if custom:
-            params = list(module.parameters())
+        if custom and not any(id(p) in existing for p in params):
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
                 module.reset_parameters()
             return
@@ -235,10 +245,12 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
+        module = self.lightning_module
+        existing = {id(p) for p in module.parameters()} if module is not None else set()
         with super().model_sharded_context():
             yield
-        if self.zero_stage_3 and self.lightning_module is not None:
-            _rerun_custom_init(self.lightning_module)
+        if self.zero_stage_3 and module is not None:
+            _rerun_custom_init(module, existing)
 
     # ----------------------------------------------------------------- config mapping
     @property

@@ -23,11 +23,14 @@ def apply_fully_shard(
     """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
 
     Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
+    Idempotent: a module that is already an FSDP2 unit is left as it is, because Lightning runs the strategy's
+    ``setup`` again for every ``validate``/``test`` after ``fit`` on the same (sharded) model, and ``fully_shard``
+    refuses a second application to one module.
 
     Returns:
-        the number of modules sharded.
+        the number of modules sharded by this call (0 when the model was already sharded).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     kwargs: dict[str, Any] = {
         "mesh": mesh,
@@ -36,11 +39,11 @@ def apply_fully_shard(
     }
     count = 0
     for module in root.modules():
-        if module is not root and type(module).__name__ in shard_modules:
+        if module is not root and type(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
             fully_shard(module, **kwargs)
             count += 1
     for child in root.children():
-        if any(True for _ in child.parameters()):
+        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, **kwargs)
             count += 1
     return count
@@ -98,6 +101,9 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
+        from torch.distributed.fsdp import FSDPModule
+
+        already = any(isinstance(m, FSDPModule) for m in self.model.modules())
         n = apply_fully_shard(
             self.model,
             self.shard_modules,
@@ -105,9 +111,12 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             self.cpu_offload,
             self.reshard_after_forward,
         )
-        if n == 0:
+        if n == 0 and not already:
             raise ConfigError("strategy.shard_modules", self.shard_modules, "no module of the model has such a class.")
-        rank_zero_info(f"FSDP2: {n} modules sharded over {self.world_size} processes (cpu_offload={self.cpu_offload}).")
+        if n:
+            rank_zero_info(
+                f"FSDP2: {n} modules sharded over {self.world_size} processes (cpu_offload={self.cpu_offload})."
+            )
         super().setup(trainer)
 
     @override
