@@ -13,6 +13,7 @@ __all__ = [
     "MissingDependencyError",
     "TrainOptError",
     "UnsupportedHardwareError",
+    "install_command",
 ]
 
 
@@ -67,8 +68,19 @@ class MissingDependencyError(TrainOptError, ImportError):
         self.extra = extra
         super().__init__(
             f"{feature} needs the package {package!r}, which is not installed. "
-            f"Install it with: pip install 'lightning_trainopt[{extra}]'"
+            f"Install it with: {install_command(extra)}"
         )
+
+
+def install_command(extra: str) -> str:
+    """``pip install torch==<installed> -e ".[extra]"``: the pin keeps pip from swapping the installed torch build."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pin = f"torch=={version('torch').split('+', 1)[0]} "
+    except PackageNotFoundError:
+        pin = ""
+    return f'pip install {pin}-e ".[{extra}]"'
 
 
 class UnsupportedHardwareError(TrainOptError, RuntimeError):

@@ -19,7 +19,7 @@ from lightning_trainopt.callbacks._common import (
     log_metrics,
     warn_off,
 )
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, install_command
 
 __all__ = ["GPUMonitor"]
 
@@ -186,7 +186,7 @@ class GPUMonitor(Callback):
                 import pynvml
             except ImportError:
                 self.enabled = False
-                warn_off("GPUMonitor", "nvidia-ml-py is not installed (pip install 'lightning_trainopt[nvml]').")
+                warn_off("GPUMonitor", f"nvidia-ml-py is not installed ({install_command('nvml')}).")
                 return
             from lightning_trainopt.core._torch_private import nvml_device_index
 

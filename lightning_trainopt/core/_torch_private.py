@@ -1,8 +1,9 @@
 """The one place that touches private torch APIs, each behind a version/availability guard.
 
 Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``,
-``torch.cuda._get_nvml_device_index``, read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data`` or override
-``FlopCounterMode._count_flops``; when torch changes them, only this file changes.
+``torch.cuda._get_nvml_device_index``, read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data``, override
+``FlopCounterMode._count_flops`` or ask ``torch.utils.cpp_extension`` for a JIT build directory; when torch changes
+them, only this file changes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __all__ = [
     "ddp_comm_hook_name",
     "ddp_comm_hook_state",
     "dump_memory_snapshot",
+    "extension_build_dir",
     "is_compiled",
     "memory_history_supported",
     "nvml_device_index",
@@ -171,3 +173,18 @@ def is_compiled(module: torch.nn.Module) -> bool:
         (optimized is not None and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
         for m in module.modules()
     )
+
+
+def extension_build_dir(name: str) -> str:
+    """Where ``torch.utils.cpp_extension.load(name=...)`` builds and caches a JIT extension (``_get_build_directory``).
+
+    Honours ``TORCH_EXTENSIONS_DIR``; falls back to the public default root when the private helper is gone.
+    """
+    import os
+
+    from torch.utils import cpp_extension
+
+    get = getattr(cpp_extension, "_get_build_directory", None)
+    if get is not None:
+        return str(get(name, False))
+    return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(), name)

@@ -23,6 +23,7 @@ from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.strategies.deepspeed_json import check_json_precision
 from lightning_trainopt.strategies.nvme_resume import restore_nvme_optimizer_state
+from lightning_trainopt.strategies.op_builds import announce_op_builds
 
 __all__ = ["TrainOptDeepSpeedStrategy", "to_deepspeed_cpu_adam"]
 
@@ -227,12 +228,19 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_distributed(self) -> None:
         if not self._on_cpu:
             super().setup_distributed()
+            self._announce_op_builds()
             return
         # CPU devices carry no index, so the CUDA index check does not apply.
         assert self.parallel_devices is not None
         reset_seed()
         self.set_world_ranks()
+        self._announce_op_builds()
         self._init_deepspeed_distributed()
+
+    def _announce_op_builds(self) -> None:
+        line = announce_op_builds(self._on_cpu, self.offload_devices())
+        if line:
+            rank_zero_info(line)
 
     @property
     @override
