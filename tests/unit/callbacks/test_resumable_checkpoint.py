@@ -1,0 +1,102 @@
+"""ResumableCheckpoint: last.ckpt on its step schedule before the monitored metric exists; a checkpoint on interrupt."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_trainopt.callbacks import ResumableCheckpoint
+from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
+
+
+class SavedSteps(Callback):
+    """The global step stored in ``last.ckpt`` after each batch (``None`` while there is none)."""
+
+    def __init__(self, path):
+        self.path = path
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, *args):
+        last = os.path.join(self.path, "last.ckpt")
+        self.steps.append(torch.load(last, weights_only=False)["global_step"] if os.path.exists(last) else None)
+
+
+def _fit(tmp_path, checkpoint_cls, max_steps=6, **trainer_kwargs):
+    ckpt = checkpoint_cls(
+        dirpath=str(tmp_path),
+        filename="step{step}-val{val_loss:.3f}",
+        auto_insert_metric_name=False,
+        monitor="val_loss",
+        save_last=True,
+        every_n_train_steps=2,
+    )
+    probe = SavedSteps(str(tmp_path))
+    trainer = tiny_trainer([ckpt, probe], max_steps=max_steps, enable_checkpointing=True, **trainer_kwargs)
+    trainer.fit(tiny_module(), datamodule=tiny_data())
+    return probe.steps, sorted(os.listdir(tmp_path))
+
+
+def test_lightnings_checkpoint_saves_nothing_before_the_metric_exists(tmp_path):
+    # The defect ResumableCheckpoint exists for: every_n_train_steps waits for val_loss, which never came.
+    steps, _ = _fit(tmp_path, ModelCheckpoint)
+    assert steps == [None] * 6  # (it writes last.ckpt once the fit has ended: too late for a killed job)
+
+
+def test_last_follows_every_n_train_steps_before_any_validation(tmp_path):
+    steps, files = _fit(tmp_path, ResumableCheckpoint)
+    # Lightning runs checkpoint callbacks after all others: the probe at step k sees the saves up to step k - 1.
+    assert steps == [None, None, 2, 2, 4, 4]
+    assert files == ["last.ckpt"]  # the best-by-val_loss checkpoint waits for a val_loss
+
+
+def test_a_validation_at_a_saved_step_still_writes_the_best_checkpoint(tmp_path):
+    steps, files = _fit(tmp_path, ResumableCheckpoint, limit_val_batches=2, val_check_interval=4)
+    assert steps[:4] == [None, None, 2, 2]
+    best = [f for f in files if f != "last.ckpt"]
+    assert len(best) == 1 and best[0].startswith("step4-val"), files
+
+
+class RaiseAt(Callback):
+    def __init__(self, step, exc):
+        self.step, self.exc = step, exc
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise self.exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "saved"),
+    [(KeyboardInterrupt(), True), (RuntimeError("a bug"), False)],
+    ids=["interrupt", "crash"],
+)
+def test_an_interrupt_saves_where_it_stopped_and_a_crash_does_not(tmp_path, exc, saved):
+    ckpt = ResumableCheckpoint(dirpath=str(tmp_path), monitor=None, save_last=False)
+    trainer = tiny_trainer([ckpt, RaiseAt(3, exc)], max_steps=10, enable_checkpointing=True)
+    with pytest.raises(BaseException):  # noqa: PT011 (Lightning turns KeyboardInterrupt into SystemExit)
+        trainer.fit(tiny_module(), datamodule=tiny_data())
+    path = tmp_path / "interrupted-step000003.ckpt"
+    assert path.exists() is saved
+    assert ckpt.interrupt_path == (str(path) if saved else None)
+    if saved:
+        assert torch.load(path, weights_only=False)["global_step"] == 3
+
+
+def test_the_first_ctrl_c_stops_at_the_step_boundary_and_restores_the_handler(tmp_path):
+    class CtrlC(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    ckpt = ResumableCheckpoint(dirpath=str(tmp_path), monitor=None, save_last=False)
+    trainer = tiny_trainer([CtrlC(), ckpt], max_steps=10, enable_checkpointing=True)
+    with pytest.raises(SystemExit):  # Lightning's SIGTERMException
+        trainer.fit(tiny_module(), datamodule=tiny_data())
+    assert trainer.global_step == 2  # stopped at the end of the step the Ctrl-C came in, not later
+    assert (tmp_path / "interrupted-step000002.ckpt").exists()
+    assert signal.getsignal(signal.SIGINT) is before
