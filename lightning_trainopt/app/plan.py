@@ -26,7 +26,13 @@ from lightning_trainopt.app.plan_inputs import (
     strategy_layout,
     validate_like_train,
 )
-from lightning_trainopt.app.plan_report import plan_choices, train_command
+from lightning_trainopt.app.plan_report import (
+    model_flops_per_token,
+    override_keys,
+    plan_choices,
+    seq_len_note,
+    train_command,
+)
 from lightning_trainopt.core.estimate import (
     LOCATIONS,
     Candidate,
@@ -37,7 +43,7 @@ from lightning_trainopt.core.estimate import (
     search_plans,
     textbook_model_state_bytes,
 )
-from lightning_trainopt.core.estimate.search import simplicity
+from lightning_trainopt.core.estimate.search import best_per_configuration, simplicity
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key
 from lightning_trainopt.exceptions import ConfigError
 
@@ -57,12 +63,17 @@ class PlanResult:
         hardware: the device planned for.
         choices: config group -> preset name of the given configuration (for the ``train.py`` command).
         command: the ``python train.py ...`` command of the configuration (or of the search winner).
-        candidates: with ``plan.search=true``, the fitting configurations ranked best first.
-        n_enumerated: with ``plan.search=true``, how many configurations were estimated.
+        candidates: with ``plan.search=true``, the fitting configurations ranked best first, one per configuration
+            (precision, strategy, activations, optimizer), each at its best micro-batch and accumulation.
+        n_enumerated: with ``plan.search=true``, how many estimates were made (configuration x micro-batch).
         textbook: the design articles' 16 B/param accounting of the same model, for comparison.
         top_k: rows of the search ranking to show (``plan.top_k``).
         next_step: when the configuration does not fit, what to do instead (more devices or a sharded strategy
             that fits, else ``plan.search=true``); empty when it fits or the device memory is unknown.
+        mfu: the utilisation assumed for the FLOPs model (``plan.mfu``).
+        seq_len_default_of: the data preset whose default ``seq_len`` is planned; empty when ``data.seq_len`` was
+            set.
+        seq_len_note: what to do when that default is far below the model's ``max_seq_len``; else empty.
 
     Example::
 
@@ -79,6 +90,9 @@ class PlanResult:
     textbook: dict[str, dict[str, int]] = field(default_factory=dict)
     top_k: int = 10
     next_step: str = ""
+    mfu: float = _DEFAULTS["mfu"]
+    seq_len_default_of: str = ""
+    seq_len_note: str = ""
 
     @property
     def winner(self) -> Candidate | None:
@@ -93,6 +107,8 @@ class PlanResult:
                 "choices": dict(self.choices),
                 "command": self.command,
                 "next_step": self.next_step or None,
+                "seq_len_default": bool(self.seq_len_default_of),
+                "seq_len_note": self.seq_len_note or None,
                 "textbook_model_state_bytes": self.textbook,
             }
         )
@@ -147,6 +163,7 @@ def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "fits": e.fits,
         "headroom_bytes": e.headroom_bytes,
         "margin_bytes": e.margin_bytes,
+        "model_flops_per_token": model_flops_per_token(e.inputs),
         "train_flops_per_token": e.train_flops_per_token,
         "tokens_per_sec_per_device": e.speed.tokens_per_sec_per_device,
         "step_time_s": e.speed.step_time_s,
@@ -212,6 +229,28 @@ def _measured_tokens_per_sec(path: Any, inputs: PlanInputs, on_cuda: bool) -> fl
     if data.get("tokens_per_sec"):
         return float(data["tokens_per_sec"]) / world
     raise ConfigError("plan.metrics", str(path), "that metrics.json has no tokens_per_sec; run train.py longer.")
+
+
+def _seq_len_default_of(cfg: DictConfig) -> str:
+    """The data preset whose default ``seq_len`` the config plans, or ``""`` when ``data.seq_len`` was set.
+
+    Set means given as an override, or (for a config built in Python) different from the preset's own value. The
+    preset is Hydra's choice of the ``data`` group, else ``plan.choices.data``, else the data node's ``corpus``.
+    """
+    if "data.seq_len" in override_keys(cfg):
+        return ""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        runtime = HydraConfig.get().runtime.choices.get("data")
+    except ValueError:
+        runtime = None
+    given = (_plain((cfg.get("plan") or {}).get("choices")) or {}).get("data")
+    name = str(given or runtime or cfg.data.get("corpus") or "")
+    conf = _conf_dir(cfg)
+    if not name or not (conf / "data" / f"{name}.yaml").is_file():
+        return ""
+    return name if load_preset(conf, "data", name).get("seq_len") == cfg.data.seq_len else ""
 
 
 def _conf_dir(cfg: DictConfig) -> Path:
@@ -380,16 +419,30 @@ def plan(cfg: DictConfig) -> PlanResult:
         )
 
     est = run(inputs)
+    default_of = _seq_len_default_of(cfg)
+    note = seq_len_note(inputs, default_of)
     n = inputs.model.n_params()
     textbook = {s: textbook_model_state_bytes(n, s) for s in ("fp32", "mixed")}
     allowed = _allowed(cfg, on_cuda)
     if not search:
         nxt = _next_step(cfg, choices, inputs, run, adam_path, allowed) if est.fits is False else ""
         cmd = train_command(cfg, choices, inputs)
-        return PlanResult(est, hardware, choices, cmd, textbook=textbook, top_k=top_k, next_step=nxt)
+        return PlanResult(
+            est,
+            hardware,
+            choices,
+            cmd,
+            textbook=textbook,
+            top_k=top_k,
+            next_step=nxt,
+            mfu=mfu,
+            seq_len_default_of=default_of,
+            seq_len_note=note,
+        )
     space_node = plan_cfg.get("search_space")
     space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size)
-    ranked, n_enum = search_plans(inputs, space, run, adam_path, allowed)
+    every, n_enum = search_plans(inputs, space, run, adam_path, allowed)
+    ranked = best_per_configuration(every)
     if not n_enum:
         raise ConfigError(
             "plan.search_space",
@@ -402,7 +455,19 @@ def plan(cfg: DictConfig) -> PlanResult:
         win = ranked[0]
         swapped = {g: p for g, p in win.choices.items() if choices.get(g) != p}
         cmd = train_command(cfg, {**choices, **win.choices}, win.estimate.inputs, swapped)
-    return PlanResult(est, hardware, choices, cmd, ranked, n_enum, textbook, top_k=top_k)
+    return PlanResult(
+        est,
+        hardware,
+        choices,
+        cmd,
+        ranked,
+        n_enum,
+        textbook,
+        top_k=top_k,
+        mfu=mfu,
+        seq_len_default_of=default_of,
+        seq_len_note=note,
+    )
 
 
 def _check_top_k(value: Any) -> int:

@@ -12,12 +12,24 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from lightning_trainopt.core.flops import transformer_flops
+from lightning_trainopt.core.hardware import compute_dtype_key
+
 if TYPE_CHECKING:
     from lightning_trainopt.app.plan import PlanResult
     from lightning_trainopt.core.estimate import PlanEstimate, PlanInputs
     from lightning_trainopt.core.hardware import HardwareSpec
 
-__all__ = ["PlanSweepCheck", "plan_choices", "print_plan", "refused_jobs", "train_command"]
+__all__ = [
+    "PlanSweepCheck",
+    "model_flops_per_token",
+    "override_keys",
+    "plan_choices",
+    "print_plan",
+    "refused_jobs",
+    "seq_len_note",
+    "train_command",
+]
 
 _GIB = 2**30
 
@@ -67,6 +79,42 @@ def _task_overrides(cfg: DictConfig) -> list[str]:
 
 def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def override_keys(cfg: DictConfig) -> set[str]:
+    """The keys this run's overrides set (``data.seq_len``, ``model``, ...), without ``+``/``~``."""
+    return {_override_key(o) for o in _task_overrides(cfg)}
+
+
+# A planned length below this share of the model's context, taken from the data preset, gets a note.
+_SHORT_SEQ_SHARE = 4
+
+
+def seq_len_note(inputs: PlanInputs, default_of: str) -> str:
+    """What to do when the planned ``seq_len`` is a data preset's default far below the model's ``max_seq_len``.
+
+    Args:
+        inputs: the planned values.
+        default_of: the data preset whose default ``seq_len`` is planned; ``""`` when the user set it.
+
+    Returns:
+        one sentence naming the length, where it comes from and the override to plan another; ``""`` when the
+        length was set or is at least a quarter of ``max_seq_len``.
+    """
+    m = inputs.model
+    if not default_of or inputs.seq_len * _SHORT_SEQ_SHARE >= m.max_seq_len:
+        return ""
+    return (
+        f"seq_len {inputs.seq_len} is the default of data={default_of}, not a length you set: {m.name} takes up to "
+        f"{m.max_seq_len} tokens (model.max_seq_len), and activation memory and attention FLOPs grow with the "
+        f"length. To plan the length you will train at, add data.seq_len=<tokens>, e.g. data.seq_len={m.max_seq_len}."
+    )
+
+
+def model_flops_per_token(inputs: PlanInputs) -> float:
+    """Model FLOPs of forward + backward per token (3 x forward, the numerator of MFU), without recomputation."""
+    tokens = inputs.micro_batch * inputs.seq_len
+    return transformer_flops(inputs.model, inputs.seq_len, inputs.micro_batch).train / tokens
 
 
 def train_command(
@@ -133,7 +181,13 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     e, i, hw = result.estimate, result.estimate.inputs, result.hardware
     n = i.model.n_params()
     ch = result.choices
-    console.rule(f"[bold]plan: {i.model.name} ({n / 1e9:.3f}B params) on {i.world_size} x {hw.name}")
+    default = f" (data={result.seq_len_default_of} default)" if result.seq_len_default_of else ""
+    console.rule(
+        f"[bold]plan: {i.model.name} ({n / 1e9:.3f}B params) at seq_len {i.seq_len}{default} on "
+        f"{i.world_size} x {hw.name}"
+    )
+    if result.seq_len_note:
+        console.print(f"[yellow]note:[/] {result.seq_len_note}")
     console.print(
         f"precision {i.trainer_precision} | strategy {i.layout.name} ({i.layout.kind}"
         f"{', ZeRO-' + str(i.layout.zero_stage) if i.layout.zero_stage else ''}) | activations "
@@ -181,7 +235,7 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     )
     s = e.speed
     console.print(
-        f"speed: {_human(e.train_flops_per_token)} FLOP/token executed; {s.source}\n"
+        f"speed: {_flops_line(e)}; {_speed_source(result)}\n"
         f"  -> {_human(s.tokens_per_sec_per_device, ' tok/s')} per device, step {_human(s.step_time_s, ' s')}, "
         f"${_human(s.usd_per_1b_tokens)} per 1B tokens; target: {_human(s.hours_to_target, ' h')}, "
         f"${_human(s.usd_to_target)} (price x devices x hours; {hw.sources.get('price', '')})"
@@ -193,6 +247,28 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
         console.print(f"[red]next step:[/] {result.next_step}")
     elif result.command:
         console.print(f"run it: [bold]{result.command}")
+
+
+def _flops_line(e: PlanEstimate) -> str:
+    """Model FLOPs per token and, when checkpointing replays part of the forward, what the hardware executes."""
+    model = model_flops_per_token(e.inputs)
+    recompute = e.train_flops_per_token - model
+    if recompute <= 0:
+        return f"{model:#.3g} FLOP/token (forward + backward; nothing recomputed)"
+    return (
+        f"{model:#.3g} model FLOP/token (forward + backward) + {recompute:#.3g} recomputed by activation "
+        f"checkpointing = {e.train_flops_per_token:#.3g} FLOP/token executed"
+    )
+
+
+def _speed_source(result: PlanResult) -> str:
+    """Where the tokens/s come from: the executed FLOPs at ``plan.mfu`` of the peak, a measured run, or nowhere."""
+    s, hw, i = result.estimate.speed, result.hardware, result.estimate.inputs
+    if s.source.startswith("measured") or s.tokens_per_sec_per_device is None:
+        return s.source
+    dtype = compute_dtype_key(i.trainer_precision, hw.name != "cpu")
+    peak = hw.peak(dtype) or 0.0
+    return f"tokens/s at {result.mfu:.0%} (plan.mfu) of the {peak / 1e12:g} TFLOP/s dense {dtype} peak"
 
 
 def _print_host(e: PlanEstimate, hw: HardwareSpec, console: Console) -> None:
@@ -215,7 +291,11 @@ def _print_host(e: PlanEstimate, hw: HardwareSpec, console: Console) -> None:
 
 
 def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
-    table = Table(title=f"search: {len(result.candidates)} of {result.n_enumerated} configurations fit; top {top_k}")
+    n_fit = len(result.candidates)
+    table = Table(
+        title=f"search: {n_fit} configuration{'s' * (n_fit != 1)} fit ({result.n_enumerated} estimates of precision x "
+        f"strategy x activations x optimizer x micro-batch); top {min(top_k, n_fit)}, each at its best micro-batch"
+    )
     for col in (
         "#",
         "precision",

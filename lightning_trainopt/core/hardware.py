@@ -35,7 +35,10 @@ _SRC_L40S = "NVIDIA L40S datasheet (l40s-datasheet-2849214), dense = half of the
 _SRC_L4 = "NVIDIA L4 datasheet (l4-datasheet-2595652), dense = half of the 'with sparsity' figures"
 _SRC_A10 = "NVIDIA A10 datasheet (a10-datasheet); A10G (AWS) taken as A10, dense figures"
 _SRC_B200 = "NVIDIA DGX B200 datasheet: per-GPU = system / 8, dense = half of the 'with sparsity' figures"
-_SRC_PRICE_ISSUE = "project default (issue 4): on-demand cloud list price order of magnitude; override per provider"
+_SRC_PRICE_DEFAULT = (
+    "project default, not a provider's quote: the order of magnitude of on-demand cloud list prices; "
+    "set hardware.price_per_device_hour for yours"
+)
 _USER_SET = "no default price: set hardware.price_per_device_hour"
 # Host RAM of one node: the reference 8-GPU cloud instance of each device (AWS EC2 instance-type specifications;
 # DGX datasheet for B200). Nodes differ: override with hardware.host_memory_gb for yours.
@@ -131,7 +134,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _tf(fp64=19.5, fp32=19.5, tf32=156, bf16=312, fp16=312, int8=624),
         _SRC_A100,
         3.5,
-        _SRC_PRICE_ISSUE,
+        _SRC_PRICE_DEFAULT,
         _host("p4d.24xlarge", 1152),
     ),
     "a100_80gb": _spec(
@@ -140,7 +143,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _tf(fp64=19.5, fp32=19.5, tf32=156, bf16=312, fp16=312, int8=624),
         _SRC_A100,
         4.8,
-        _SRC_PRICE_ISSUE,
+        _SRC_PRICE_DEFAULT,
         _host("p4de.24xlarge", 1152),
     ),
     "h100_sxm": _spec(
@@ -149,7 +152,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _tf(fp64=66.9, fp32=66.9, tf32=494.7, bf16=989.4, fp16=989.4, fp8=1978.9, int8=1978.9),
         _SRC_H100,
         8.2,
-        _SRC_PRICE_ISSUE,
+        _SRC_PRICE_DEFAULT,
         _host("p5.48xlarge", 2048),
     ),
     "h100_pcie": _spec(
@@ -158,7 +161,7 @@ HARDWARE: dict[str, HardwareSpec] = {
         _tf(fp64=51.2, fp32=51.2, tf32=378, bf16=756, fp16=756, fp8=1513, int8=1513),
         _SRC_H100,
         8.2,
-        _SRC_PRICE_ISSUE + " (H100 price)",
+        _SRC_PRICE_DEFAULT + " (H100 price)",
     ),
     "h200": _spec(
         "h200",

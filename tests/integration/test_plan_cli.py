@@ -102,3 +102,23 @@ def test_a_plan_sweep_with_a_refused_job_exits_non_zero(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "job 0 refused: trainer.devices=0 is invalid" in proc.stderr
     assert json.loads((tmp_path / "0" / "metrics.json").read_text())["status"] == "refused"
+
+
+def test_plan_py_headline_names_the_default_seq_len_and_the_speed_line_each_flop_figure():
+    # The command a new user tries first: no data.seq_len, so the demo data's 128 tokens are planned.
+    proc = _run(
+        "model=llama_7b",
+        "hardware=a100_80gb",
+        "trainer.devices=4",
+        "+strategy=zero2",
+        "precision=bf16",
+        "activations=checkpoint",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = " ".join(proc.stdout.split())
+    assert "plan: llama_7b (6.738B params) at seq_len 128 (data=stdlib_text default) on 4 x a100_80gb" in out
+    assert "note: seq_len 128 is the default of data=stdlib_text" in out
+    assert "e.g. data.seq_len=4096" in out
+    assert "model FLOP/token (forward + backward) +" in out
+    assert "FLOP/token executed; tokens/s at 40% (plan.mfu) of the 312 TFLOP/s dense bf16 peak" in out
+    assert "issue" not in out.lower()

@@ -12,7 +12,7 @@ from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["Candidate", "SearchSpace", "rank_candidates", "search_plans", "simplicity"]
+__all__ = ["Candidate", "SearchSpace", "best_per_configuration", "rank_candidates", "search_plans", "simplicity"]
 
 # Ties on dollars (the FLOPs model does not charge offload traffic or reward bigger micro-batches) go to the
 # configuration with fewer moving parts: this order, then fewer bytes.
@@ -107,6 +107,23 @@ def rank_candidates(candidates: Iterable[Candidate]) -> list[Candidate]:
     return [replace(c, reason=_reason(c, best)) for c in ranked]
 
 
+def best_per_configuration(ranked: Iterable[Candidate]) -> list[Candidate]:
+    """One row per configuration (its ``choices``: precision, strategy, activations, optimizer), at its best
+    micro-batch and accumulation: the first of its variants in ``ranked``, which keeps its rank.
+
+    The micro-batch only splits the same global batch differently, so a ranking of every variant would fill its top
+    rows with one configuration at each micro-batch that fits.
+    """
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    out = []
+    for c in ranked:
+        key = tuple(sorted(c.choices.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 def _check_micro_batches(micro_batches: tuple[int, ...], base: PlanInputs) -> None:
     """Refuse micro-batches that cannot be searched, instead of enumerating nothing.
 
@@ -149,7 +166,8 @@ def search_plans(
             pre-flight rules, so the search enumerates exactly what training runs); ``None`` allows all.
 
     Returns:
-        (fitting candidates ranked best first, number enumerated).
+        (fitting candidates ranked best first, every micro-batch of a configuration its own candidate; number
+        enumerated). :func:`best_per_configuration` keeps each configuration's best micro-batch.
     """
     global_seqs = base.micro_batch * base.accumulate * base.world_size
     _check_micro_batches(space.micro_batches, base)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from lightning_trainopt.core.hardware import (
@@ -142,3 +144,13 @@ def test_override_of_the_wrong_type_is_a_config_error(kwargs, key):
     with pytest.raises(ConfigError) as err:
         hardware_spec("h100", **kwargs)
     assert err.value.key == key
+
+
+def test_sources_say_where_a_figure_comes_from_not_which_ticket():
+    # Printed on plan.py's screen: a plain statement of the source, no issue numbers or audit notes.
+    ticket = re.compile(r"\bissues?\s*#?\d|\baudit\b|#\d", re.IGNORECASE)
+    for key, spec in HARDWARE.items():
+        for what, source in spec.sources.items():
+            assert source.strip(), (key, what)
+            assert not ticket.search(source), (key, what, source)
+    assert "hardware.price_per_device_hour" in hardware_spec("a100_80gb").sources["price"]

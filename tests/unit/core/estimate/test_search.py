@@ -13,6 +13,7 @@ from lightning_trainopt.core.estimate import (
     estimate_plan,
     search_plans,
 )
+from lightning_trainopt.core.estimate.search import best_per_configuration
 from lightning_trainopt.models import GPTConfig
 
 MODEL = GPTConfig(name="m", vocab_size=32000, n_layers=8, d_model=1024, n_heads=8, ffn_hidden=2816, max_seq_len=2048)
@@ -84,3 +85,16 @@ def test_adam_path_for_sets_each_candidates_step_path():
     )
     for c in ranked:
         assert c.estimate.inputs.adam_path == ("foreach" if c.estimate.inputs.layout.kind == "deepspeed" else "fused")
+
+
+def test_best_per_configuration_keeps_one_row_per_configuration_at_its_best_micro_batch():
+    ranked, _ = _run(80)
+    rows = best_per_configuration(ranked)
+    key = lambda c: tuple(sorted(c.choices.items()))  # noqa: E731
+    assert len(rows) < len(ranked)  # the full ranking has each configuration at several micro-batches
+    assert [key(c) for c in rows] == list(dict.fromkeys(key(c) for c in ranked))  # each once, in rank order
+    for row in rows:
+        variants = [c for c in ranked if key(c) == key(row)]
+        assert row is variants[0]  # its best-ranked micro-batch
+        assert len({(c.estimate.inputs.micro_batch, c.estimate.inputs.accumulate) for c in variants}) > 1
+    assert rows[0] is ranked[0]
