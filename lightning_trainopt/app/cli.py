@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,15 @@ import lightning.pytorch  # noqa: F401
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from lightning_trainopt.app.multirun import apply_child_command
+from lightning_trainopt.app.multirun import (
+    apply_child_command,
+    child_errors,
+    end_job,
+    is_sweep_child,
+    record_child_error,
+    restore_env,
+    snapshot_env,
+)
 from lightning_trainopt.exceptions import TrainOptError
 
 __all__ = ["CONFIG_DIR", "keep_earlier_hydra_record", "plan_main", "run_hydra", "train_main", "user_error"]
@@ -38,31 +47,68 @@ def _in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def _run_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _record(status: str, error: str) -> None:
+    """A sweep job that did not train: ``metrics.json`` with its status and error, for the sweep summary."""
+    errors = child_errors(_run_dir())
+    if errors:
+        error += "".join(f"; rank {rank}: {text}" for rank, text in errors.items())
+    (_run_dir() / "metrics.json").write_text(json.dumps({"status": status, "error": error}, indent=2))
+
+
 def _refuse(err: TrainOptError) -> None:
     """A user error: one clear line, no traceback, nothing saved before touched.
 
     In a sweep, the job is recorded as ``status: refused`` in its metrics.json and the sweep goes on (a ladder's
-    rung that a pre-flight check refuses is a result, not a crash); a single run exits with code 2.
+    rung that a pre-flight check refuses is a result, not a crash); a single run exits with code 2; a child rank of
+    a sweep job leaves the error to its rank 0 (:func:`_leave_sweep_job`).
     """
     line = f"error: {err}"
     print(line, file=sys.stderr)
     _log_to_files(line)
+    if is_sweep_child():
+        _leave_sweep_job(str(err))
     if not _in_multirun():
         sys.exit(2)
-    from hydra.core.hydra_config import HydraConfig
-
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    (run_dir / "metrics.json").write_text(json.dumps({"status": "refused", "error": str(err)}, indent=2))
+    _record("refused", str(err))
 
 
-def _log_to_files(line: str) -> None:
-    """Write ``line`` to the log files of the root logger (the run's ``train.log``), not to the console.
+def _fail(err: Exception) -> None:
+    """A sweep job raised: its traceback on stderr and in train.log, ``status: failed`` in its metrics.json.
+
+    The error is recorded rather than re-raised: Hydra's basic sweeper stops at a job that raises, so one crash
+    would cost the jobs after it and the sweep summary. The sweep exits non-zero when no job succeeded.
+    """
+    error = f"{type(err).__name__}: {err}"
+    traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    line = f"error: job failed: {error}"
+    print(line, file=sys.stderr)
+    _log_to_files(line, err)
+    if is_sweep_child():
+        _leave_sweep_job(error)
+    _record("failed", error)
+
+
+def _leave_sweep_job(error: str) -> None:
+    """End a failed child rank of a sweep job: its error for rank 0, and exit code 0 (see ``app.multirun``)."""
+    record_child_error(_run_dir(), error)
+    sys.exit(0)
+
+
+def _log_to_files(line: str, err: BaseException | None = None) -> None:
+    """Write ``line`` (and ``err``'s traceback) to the log files of the root logger (the run's ``train.log``).
 
     Hydra's job logging (``conf/hydra/default.yaml``) gives the root logger a console handler on stdout and a file
-    handler on ``<run dir>/<job name>.log``. The refusal is already on stderr; logging it normally would print it a
+    handler on ``<run dir>/<job name>.log``. The line is already on stderr; logging it normally would print it a
     second time on the terminal, so only the file handlers get the record.
     """
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    exc_info = (type(err), err, err.__traceback__) if err is not None else None
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, (), exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
@@ -86,18 +132,34 @@ def user_error(err: BaseException) -> TrainOptError | None:
 
 
 def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
+    """``task`` with user errors reported plainly; in a sweep, a refused or failed job never ends the sweep.
+
+    A sweep job that raises is recorded (``status: refused`` or ``failed``) and cleaned up after: its child ranks
+    waited for, the process group torn down and the environment its launcher changed restored, so that the next
+    job starts as the first did.
+    """
+
     def run(cfg: DictConfig) -> None:
+        in_sweep = _in_multirun()
+        env = snapshot_env()
         try:
             task(cfg)
-        except TrainOptError as err:
-            _refuse(err)
-        except InstantiationException as err:
-            # A bad argument refused in a callback's or data module's __init__ is the same user error as one
-            # refused by validate_config; anything else Hydra wraps (an import error, a bug) keeps its traceback.
-            cause = user_error(err)
-            if cause is None:
+        except Exception as err:
+            # A bad argument refused in a callback's or data module's __init__ reaches us wrapped by Hydra's
+            # instantiate: the same user error as one refused by validate_config. Anything else (an import error,
+            # a bug) keeps its traceback: re-raised in a single run, recorded as a failure in a sweep.
+            cause = err if isinstance(err, TrainOptError) else None
+            if isinstance(err, InstantiationException):
+                cause = user_error(err)
+            if cause is not None:
+                _refuse(cause)
+            elif in_sweep or is_sweep_child():
+                _fail(err)
+            else:
                 raise
-            _refuse(cause)
+            if in_sweep:
+                end_job()
+                restore_env(env)
 
     return run
 

@@ -1,27 +1,35 @@
-"""Pre-flight compatibility checks: refuse known-bad strategy combinations before any process spawns.
+"""Pre-flight checks: refuse known-bad strategy combinations and missing optional packages before any process spawns.
 
 The same rules render the documentation table (:func:`compatibility_matrix_markdown`), so docs and code agree.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError, MissingDependencyError
 from lightning_trainopt.precision.plugins import FP16_FSDP2_FIX, FP16_FSDP2_REASON
 
 __all__ = [
     "PreflightInput",
     "RULES",
+    "Requirement",
     "Rule",
+    "check_packages",
     "compatibility_matrix_markdown",
     "estimate_nvme_bytes",
+    "optimizer_preset",
+    "package_importable",
     "preflight",
     "preflight_from_cfg",
+    "required_packages",
     "size_advice",
 ]
 
@@ -29,6 +37,32 @@ _DS_TARGETS = ("TrainOptDeepSpeedStrategy", "DeepSpeedStrategy")
 _FSDP2_TARGETS = ("TrainOptFSDPStrategy", "ModelParallelStrategy")
 _FSDP1_TARGETS = ("FSDPStrategy",)
 _ADAM_TARGETS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.adamw.AdamW", "torch.optim.adam.Adam")
+_OPTIMIZER_CONF = Path(__file__).resolve().parents[2] / "conf" / "optimizer"
+
+
+@functools.cache
+def _optimizer_presets() -> dict[str, str]:
+    """``{_target_: preset name}`` of ``conf/optimizer/*.yaml``."""
+    from omegaconf import DictConfig, OmegaConf
+
+    presets: dict[str, str] = {}
+    for path in sorted(_OPTIMIZER_CONF.glob("*.yaml")):
+        node = OmegaConf.load(path)
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        if target:
+            presets.setdefault(str(target), path.stem)
+    return presets
+
+
+def optimizer_preset(target: str | None) -> str | None:
+    """The ``conf/optimizer`` preset a user selects for ``target`` (``optimizer=adamw8bit``), else ``target`` itself.
+
+    Refusals name what the user typed, not the factory behind it
+    (``lightning_trainopt.techniques.optimizers.bnb_adamw8bit``).
+    """
+    if target is None:
+        return None
+    return _optimizer_presets().get(target, target)
 
 
 @dataclass(frozen=True)
@@ -44,6 +78,8 @@ class PreflightInput:
         callback_targets: ``_target_`` of each configured callback.
         n_params: model parameter count (for advice and the NVMe size estimate), if known.
         world_size: processes in the job (for the NVMe size estimate).
+        precision_preset: the precision preset's name (``bf16``), for messages.
+        logger_targets: ``(name, _target_)`` of each configured logger.
     """
 
     strategy: dict[str, Any] | None = None
@@ -53,10 +89,17 @@ class PreflightInput:
     callback_targets: tuple[str, ...] = ()
     n_params: int | None = None
     world_size: int = 1
+    precision_preset: str | None = None
+    logger_targets: tuple[tuple[str, str], ...] = ()
 
     @property
     def target(self) -> str:
         return str((self.strategy or {}).get("_target_", "")).rsplit(".", 1)[-1]
+
+    @property
+    def optimizer(self) -> str | None:
+        """The optimizer preset as the user selects it (``adamw8bit``), or its ``_target_`` when no preset has it."""
+        return optimizer_preset(self.optimizer_target)
 
     @property
     def preset(self) -> str:
@@ -147,7 +190,7 @@ RULES: tuple[Rule, ...] = (
         "states cannot be offloaded (DeepSpeed #6666) and DeepSpeed refuses a client optimizer under offload.",
         "drop the offload (zero1/zero2 keep 8-bit states) or use optimizer=adamw with the offload preset.",
         lambda p: _is_8bit(p.optimizer_target) and p.offload()["optimizer"] != "none",
-        lambda p: {"optimizer": p.optimizer_target, "strategy": p.preset},
+        lambda p: {"optimizer": p.optimizer, "strategy": p.preset},
     ),
     Rule(
         "8-bit optimizer + FSDP",
@@ -156,7 +199,7 @@ RULES: tuple[Rule, ...] = (
         "the same class of failure for FSDP1).",
         "use the 8-bit optimizer with zero1/zero2/zero3 (DeepSpeed hands it flat local partitions) or adamw with fsdp.",
         lambda p: _is_8bit(p.optimizer_target) and p.is_fsdp,
-        lambda p: {"optimizer": p.optimizer_target, "strategy": p.preset},
+        lambda p: {"optimizer": p.optimizer, "strategy": p.preset},
     ),
     Rule(
         "non-Adam optimizer + offload",
@@ -171,7 +214,7 @@ RULES: tuple[Rule, ...] = (
             and p.optimizer_target is not None
             and p.optimizer_target not in _ADAM_TARGETS
         ),
-        lambda p: {"optimizer": p.optimizer_target, "strategy": p.preset},
+        lambda p: {"optimizer": p.optimizer, "strategy": p.preset},
     ),
     Rule(
         "GradientAccumulationScheduler + DeepSpeed",
@@ -220,6 +263,65 @@ def _async_io_ok() -> bool:
     except ImportError:
         return False
     return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """An optional package that a chosen preset needs.
+
+    Args:
+        feature: what needs it, as the user selects it (``optimizer=adamw8bit_torchao``).
+        package: its import name (``torchao``).
+        extra: the pip extra of lightning_trainopt that installs it.
+        alternatives: other import names that serve as well (Lightning's TensorBoardLogger also takes tensorboardX).
+    """
+
+    feature: str
+    package: str
+    extra: str
+    alternatives: tuple[str, ...] = ()
+
+
+def required_packages(p: PreflightInput) -> list[Requirement]:
+    """The optional packages the configuration needs, each with the preset that needs it and the pip extra.
+
+    Only what the fit needs counts: a monitor that switches itself off without its package (``GPUMonitor`` without
+    nvidia-ml-py) needs nothing, nor does the ladder report, which writes its table without matplotlib's plot.
+    """
+    needs: list[Requirement] = []
+    target = p.optimizer_target or ""
+    if "bitsandbytes" in target or target.rsplit(".", 1)[-1].startswith("bnb_"):
+        needs.append(Requirement(f"optimizer={p.optimizer}", "bitsandbytes", "bnb"))
+    elif "torchao" in target:
+        needs.append(Requirement(f"optimizer={p.optimizer}", "torchao", "torchao"))
+    if p.is_deepspeed:
+        needs.append(Requirement(f"+strategy={p.preset}", "deepspeed", "deepspeed"))
+    if p.precision.startswith("transformer-engine"):
+        needs.append(Requirement(f"precision={p.precision_preset or p.precision}", "transformer_engine", "gpu"))
+    for name, logger in p.logger_targets:
+        if logger.endswith("TensorBoardLogger"):
+            needs.append(Requirement(f"logger={name}", "tensorboard", "tensorboard", alternatives=("tensorboardX",)))
+    return needs
+
+
+def package_importable(name: str) -> bool:
+    """``name`` imports here: installed and not broken (a broken install would fail the job later, after spawning)."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def check_packages(requirements: Iterable[Requirement], importable: Callable[[str], bool] = package_importable) -> None:
+    """Refuse the first requirement none of whose packages imports.
+
+    Raises:
+        MissingDependencyError: naming the preset, the package and the ``pip install`` command (with the torch pin).
+    """
+    for req in requirements:
+        if not any(importable(name) for name in (req.package, *req.alternatives)):
+            raise MissingDependencyError(req.package, req.extra, req.feature)
 
 
 def estimate_nvme_bytes(n_params: int, world_size: int, offload: dict[str, str]) -> int:
@@ -299,8 +401,13 @@ def preflight(p: PreflightInput | Any) -> list[str]:
 def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | None = None) -> list[str]:
     """Run :func:`preflight` on a composed Hydra config (``cfg.strategy``, ``cfg.precision``, ``cfg.optimizer``...).
 
+    The optional packages the config needs (:func:`required_packages`) are checked first, here in the launching
+    process: a missing one is refused before any rank is spawned, not by each rank once the fit has begun.
     ``n_params`` defaults to the ``cfg.model`` shape's count; ``world_size`` to ``trainer.devices x num_nodes`` when
     both are integers.
+
+    Raises:
+        MissingDependencyError: a chosen preset needs a package that does not import.
     """
     from omegaconf import OmegaConf
 
@@ -321,17 +428,24 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     if world_size is None:
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
         world_size = devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else 1
-    return preflight(
-        PreflightInput(
-            strategy=strategy,
-            precision=str(precision.get("trainer_precision", "32-true")),
-            optimizer_target=optimizer.get("_target_"),
-            accelerator=str(trainer.get("accelerator", "auto")),
-            callback_targets=targets,
-            n_params=n_params,
-            world_size=world_size,
-        )
+    # Only the loggers' _target_: their other values interpolate ${hydra:runtime.output_dir}.
+    loggers = cfg.get("logger") or {}
+    logger_targets = tuple(
+        (str(name), str(node.get("_target_", ""))) for name, node in loggers.items() if hasattr(node, "get")
     )
+    p = PreflightInput(
+        strategy=strategy,
+        precision=str(precision.get("trainer_precision", "32-true")),
+        optimizer_target=optimizer.get("_target_"),
+        accelerator=str(trainer.get("accelerator", "auto")),
+        callback_targets=targets,
+        n_params=n_params,
+        world_size=world_size,
+        precision_preset=precision.get("name"),
+        logger_targets=logger_targets,
+    )
+    check_packages(required_packages(p))
+    return preflight(p)
 
 
 def compatibility_matrix_markdown() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["SweepSummary", "collect_jobs", "status_text", "write_summary"]
+__all__ = ["SweepSummary", "collect_jobs", "no_job_succeeded", "status_text", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +88,41 @@ def write_summary(sweep_dir: Path) -> tuple[Path, Path]:
     counts = Counter(str(r.get("status")) for r in rows)
     tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: (kv[0] != "ok", kv[0])))
     lines += ["", f"{len(rows)} job(s): {tally or 'none'}; every metrics.json column is in {csv_path.name}.", ""]
+    errors = [r for r in rows if r.get("error")]
+    if errors:
+        lines += ["Errors:", ""]
+        lines += [f"- job {r['job']} ({r.get('status')}): {' '.join(str(r['error']).split())}" for r in errors]
+        lines.append("")
     md_path.write_text("\n".join(lines))
     return md_path, csv_path
 
 
+def no_job_succeeded(rows: list[dict[str, Any]]) -> bool:
+    """Jobs ran and recorded their outcome in a metrics.json, and none of them is ``ok``.
+
+    A sweep whose jobs write no metrics.json (``plan.py -m``: a planned job prints its plan) is not judged here.
+    """
+    recorded = [r for r in rows if r.get("status") != "missing"]
+    return bool(recorded) and not any(r.get("status") == "ok" for r in recorded)
+
+
 class SweepSummary(Callback):
-    """Registered under ``hydra.callbacks`` in ``conf/hydra/default.yaml``; fires once, in the sweep's own process."""
+    """Registered under ``hydra.callbacks`` in ``conf/hydra/default.yaml``; fires once, in the sweep's own process.
+
+    Writes the summary, then ends the sweep with exit code 2 (as a refused single run, and as ``plan.py -m``)
+    when no job succeeded: every job was refused, failed, stopped, diverged or ran out of memory. A sweep without
+    job directories of its own (``plan.py -m`` keeps no ``.hydra/`` record per job) gets no summary.
+    """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
+        rows = collect_jobs(sweep_dir) if sweep_dir.is_dir() else []
+        if not rows:
             return
         md, _ = write_summary(sweep_dir)
         log.info("sweep summary written to %s", md)
+        if no_job_succeeded(rows):
+            tally = ", ".join(f"job {r['job']} {status_text(r.get('status'))}" for r in rows)
+            print(f"error: no job of the sweep succeeded ({tally}); see {md}", file=sys.stderr)
+            # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
+            raise SystemExit(2)

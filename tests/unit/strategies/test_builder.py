@@ -150,7 +150,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
     from pathlib import Path
 
     node = OmegaConf.load(Path(__file__).resolve().parents[3] / "conf" / "strategy" / "zero3.yaml")
-    with pytest.raises(MissingDependencyError, match=r"lightning_trainopt\[deepspeed\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install torch==[0-9.]+ -e \"\.\[deepspeed\]\""):
         build_strategy(node, PrecisionSpec(name="fp32", trainer_precision="32-true"), None, micro_batch_size=4)
 
 

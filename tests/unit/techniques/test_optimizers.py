@@ -92,9 +92,9 @@ def test_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
         raise ImportError(name)
 
     monkeypatch.setattr(optimizers.importlib, "import_module", fail)
-    with pytest.raises(MissingDependencyError, match=r"lightning_trainopt\[bnb\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install torch==[0-9.]+ -e \"\.\[bnb\]\""):
         bitsandbytes_optimizer([nn.Parameter(torch.ones(2))], name="AdamW8bit")
-    with pytest.raises(MissingDependencyError, match=r"lightning_trainopt\[torchao\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install torch==[0-9.]+ -e \"\.\[torchao\]\""):
         torchao_optimizer([nn.Parameter(torch.ones(2))], name="AdamW4bit")
 
 
