@@ -351,16 +351,23 @@ def refused_jobs(sweep_dir: Path) -> dict[str, str]:
 
 
 class PlanSweepCheck(Callback):
-    """Hydra callback of ``plan.py -m``: exit with code 2 at the end of a sweep in which a job was refused.
+    """Hydra callback of ``plan.py -m``: list the refused jobs at the end; exit with code 2 when every job was.
 
-    Each refused job is reported as it happens and the sweep goes on; without this callback the sweep would then
-    exit 0 (Hydra does not see a refusal as a failure). Registered in ``conf/plan.yaml``::
+    Each refused job is reported as it happens and the sweep goes on; at its end the refusals are listed again, and
+    a sweep in which no job was planned exits 2, as ``train.py -m`` does when no job succeeded (Hydra does not see
+    a refusal as a failure). Registered in ``conf/plan.yaml``::
 
         hydra:
           callbacks:
             plan_sweep:
               _target_: lightning_trainopt.app.plan_report.PlanSweepCheck
     """
+
+    def __init__(self) -> None:
+        self.jobs = 0
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        self.jobs += 1
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -369,6 +376,7 @@ class PlanSweepCheck(Callback):
             return
         for job, error in refused.items():
             print(f"error: job {job} refused: {error}", file=sys.stderr)
-        print(f"error: {len(refused)} plan job(s) of {sweep_dir} refused; see above.", file=sys.stderr)
-        # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
-        raise SystemExit(2)
+        print(f"error: {len(refused)} of {self.jobs} plan job(s) of {sweep_dir} refused; see above.", file=sys.stderr)
+        if len(refused) >= self.jobs:
+            # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
+            raise SystemExit(2)

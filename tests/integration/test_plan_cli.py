@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,19 +90,22 @@ def test_a_plan_that_does_not_fit_exits_0_with_a_next_step():
     assert "run it:" not in proc.stdout
 
 
-def test_a_plan_sweep_with_a_refused_job_exits_non_zero(tmp_path):
+@pytest.mark.parametrize(("devices", "code"), [("0,2", 0), ("0,-1", 2)], ids=["one-refused", "all-refused"])
+def test_a_plan_sweep_exits_non_zero_only_when_no_job_was_planned(tmp_path, devices, code):
+    # As train.py -m: a refused job is reported and the sweep goes on; only a sweep with no result is a failure.
     proc = _run(
         "-m",
         "model=gpt_tiny",
         "hardware=a100_80gb",
-        "trainer.devices=0,2",
+        f"trainer.devices={devices}",
         "plan.format=json",
         f"hydra.sweep.dir={tmp_path}",
         # conf/plan.yaml registers this callback; `++` also works once it does.
         "++hydra.callbacks.plan_sweep._target_=lightning_trainopt.app.plan_report.PlanSweepCheck",
     )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == code, proc.stderr[-2000:]
     assert "job 0 refused: trainer.devices=0 is invalid" in proc.stderr
+    assert "of 2 plan job(s)" in proc.stderr
     assert json.loads((tmp_path / "0" / "metrics.json").read_text())["status"] == "refused"
 
 
