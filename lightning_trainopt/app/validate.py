@@ -210,9 +210,14 @@ def _check_scheduler(scheduler: DictConfig, max_steps: int) -> None:
     Without ``trainer.max_epochs``, Lightning's ``estimated_stepping_batches`` (the schedule's total) is
     ``trainer.max_steps``.
     """
-    if "warmup_steps" not in scheduler and "min_lr_ratio" not in scheduler:
+    if not any(key in scheduler for key in ("warmup_steps", "warmup_ratio", "min_lr_ratio")):
         return
-    check_warmup_cosine(scheduler.get("warmup_steps", 0), max_steps, scheduler.get("min_lr_ratio", 0.0))
+    check_warmup_cosine(
+        scheduler.get("warmup_steps"),
+        max_steps,
+        scheduler.get("min_lr_ratio", 0.0),
+        warmup_ratio=scheduler.get("warmup_ratio"),
+    )
 
 
 def _check_callback_schedules(callbacks: DictConfig, max_steps: Any) -> None:
@@ -222,12 +227,15 @@ def _check_callback_schedules(callbacks: DictConfig, max_steps: Any) -> None:
         if not isinstance(node, DictConfig) or not str(node.get("_target_", "")).endswith("WarmupCosineLR"):
             continue
         total = node.get("total_steps")
-        if total is None:
-            if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
-                continue  # an epoch-based run: the total is known only once the data loaders exist
+        if total is None and _is_int(max_steps) and max_steps >= 1:
             total = max_steps
+        # An epoch-based run without total_steps: the total is known only once the data loaders exist.
         check_warmup_cosine(
-            node.get("warmup_steps", 0), total, node.get("min_lr_ratio", 0.0), prefix=f"callbacks.{name}"
+            node.get("warmup_steps"),
+            total,
+            node.get("min_lr_ratio", 0.0),
+            prefix=f"callbacks.{name}",
+            warmup_ratio=node.get("warmup_ratio"),
         )
 
 

@@ -37,6 +37,17 @@ def check_log_every(key: str, value: int | None) -> None:
         raise ConfigError(key, value, "use a positive integer (optimizer steps), or null for the Trainer's.")
 
 
+def default_warmup(warmup_steps: int | None, max_steps: int, start_step: int) -> int:
+    """Timing warm-up steps: ``warmup_steps`` if given, else 1, or 0 where a single step is left to run.
+
+    The first step pays allocation and compilation, so it is left out by default, but never the only step of a
+    short run (``max_steps`` -1, no step limit, keeps 1).
+    """
+    if warmup_steps is not None:
+        return warmup_steps
+    return 0 if 0 < max_steps - start_step <= 1 else 1
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -68,8 +68,9 @@ class MemoryBreakdown(Callback):
     ``global_step`` 0 without a checkpoint) measures afresh; a resumed one keeps the checkpoint's results.
 
     Args:
-        at_steps: optimizer steps (0-based ``global_step``) to measure, or one step as an int; step 1 or later has
-            optimizer states.
+        at_steps: optimizer steps (0-based ``global_step``) to measure, or one step as an int. Default (``None``):
+            step 1, or step 0 in a 1-step run (``max_steps=1``), so every run of at least one step is measured
+            (optimizer states are read after the measured step, so step 0 has them too).
         model_state_fn: ``(trainer, module) -> {"params": bytes, "grads": ..., "optimizer_states": ...}``; default
             :func:`accounted_model_states` (the strategies' per-rank accounting).
 
@@ -78,11 +79,14 @@ class MemoryBreakdown(Callback):
         trainer = Trainer(callbacks=[MemoryBreakdown(at_steps=[1, 100])])
     """
 
-    def __init__(self, at_steps: Sequence[int] | int = (1,), model_state_fn: ModelStateFn | None = None) -> None:
+    def __init__(self, at_steps: Sequence[int] | int | None = None, model_state_fn: ModelStateFn | None = None) -> None:
         key = "callbacks.memory_breakdown.at_steps"
-        fix = "use a list of optimizer steps >= 0 (e.g. [1, 100]) or one step as an integer."
-        if isinstance(at_steps, int) and not isinstance(at_steps, bool):
-            steps: list[Any] = [at_steps]
+        fix = "use a list of optimizer steps >= 0 (e.g. [1, 100]), one step as an integer, or null (the default)."
+        self._default_steps = at_steps is None
+        if at_steps is None:
+            steps: list[Any] = [1]  # resolved against the run's length at fit start
+        elif isinstance(at_steps, int) and not isinstance(at_steps, bool):
+            steps = [at_steps]
         elif isinstance(at_steps, (str, bytes)) or not isinstance(at_steps, Iterable):
             raise ConfigError(key, at_steps, fix)
         else:
@@ -115,6 +119,8 @@ class MemoryBreakdown(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step == 0 and not self._restored:
             self.results = {}  # a new run is measured afresh
+        if self._default_steps and trainer.max_steps >= 1:
+            self.at_steps = [min(1, trainer.max_steps - 1)]
         self._restored = False
 
     @override

@@ -31,7 +31,8 @@ class MemorySnapshot(Callback):
     Args:
         dirpath: output folder (default: ``<trainer.default_root_dir>/memory_snapshots``).
         start_step: first optimizer step of the recorded window; ``None`` records no window.
-        num_steps: optimizer steps in the window.
+        num_steps: optimizer steps in the window; a run that ends inside the window dumps at its last step
+            (``steps{a}-{last}``), so a short smoke run still writes its snapshot.
         on_oom: record continuously and write a snapshot and advice on out-of-memory.
         max_entries: allocator events kept.
 
@@ -62,6 +63,7 @@ class MemorySnapshot(Callback):
         self.enabled = True
         self._recording = False
         self._window_done = False
+        self._window_open = False
         self.files: list[str] = []
         self.oom_report: dict[str, Any] | None = None
 
@@ -93,6 +95,7 @@ class MemorySnapshot(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._window_done = False
+        self._window_open = False
         if self.enabled and self.on_oom:
             self._start()
 
@@ -102,21 +105,26 @@ class MemorySnapshot(Callback):
     ) -> None:
         if self.enabled and self.start_step is not None and trainer.global_step == self.start_step:
             self._start()
+            self._window_open = True
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.enabled or self.start_step is None or self._window_done:
+        if not self.enabled or self.start_step is None or self._window_done or not self._window_open:
             return
+        step = trainer.global_step
         end = self.start_step + self.num_steps
-        if trainer.global_step >= end:
+        run_over = 0 < trainer.max_steps <= step
+        if step > self.start_step and (step >= end or run_over):
+            last = min(end, step) - 1
             path = os.path.join(
-                self._dir(trainer), f"snapshot_rank{trainer.global_rank}_steps{self.start_step}-{end - 1}.pickle"
+                self._dir(trainer), f"snapshot_rank{trainer.global_rank}_steps{self.start_step}-{last}.pickle"
             )
             private.dump_memory_snapshot(path)
             self.files.append(path)
             self._window_done = True
+            self._window_open = False
             if not self.on_oom:
                 self._stop()
             rank_zero_info(f"MemorySnapshot: wrote {path} (open it at https://pytorch.org/memory_viz)")

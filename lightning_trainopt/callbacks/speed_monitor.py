@@ -20,6 +20,7 @@ from lightning_trainopt.callbacks._common import (
     check_log_every,
     check_number,
     default_clock,
+    default_warmup,
     json_safe,
     log_interval,
     log_metrics,
@@ -106,7 +107,8 @@ class SpeedMonitor(Callback):
         flops_per_batch_fn: ``batch -> int`` model FLOPs (forward + backward) of a micro-batch.
         recompute_fraction: share of the forward recomputed in backward, for HFU (default: detected or measured).
         warmup_steps: the run's first optimizer steps, left out of every window and of the end-of-fit figures
-            (counted from the run's start, across resumes).
+            (counted from the run's start, across resumes). Default (``None``): 1, or 0 in a run of a single step,
+            so a 1-step run is measured too.
         clock: seconds since an arbitrary origin (tests inject a fake).
 
     Raises:
@@ -126,15 +128,17 @@ class SpeedMonitor(Callback):
         tokens_fn: Callable[[Any], Any] | None = None,
         flops_per_batch_fn: Callable[[Any], int] | None = None,
         recompute_fraction: float | None = None,
-        warmup_steps: int = 1,
+        warmup_steps: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         check_log_every(f"{_KEY}.log_every_n_steps", log_every_n_steps)
         check_hardware(f"{_KEY}.hardware", hardware)
         check_number(f"{_KEY}.peak_tflops", peak_tflops, low=0.0, low_open=True)
         check_number(f"{_KEY}.recompute_fraction", recompute_fraction, low=0.0, high=1.0)
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise ConfigError(f"{_KEY}.warmup_steps", warmup_steps, "use an integer >= 0.")
+        if warmup_steps is not None and (
+            not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0
+        ):
+            raise ConfigError(f"{_KEY}.warmup_steps", warmup_steps, "use an integer >= 0, or null.")
         for name, fn in (
             ("samples_fn", samples_fn),
             ("tokens_fn", tokens_fn),
@@ -149,6 +153,7 @@ class SpeedMonitor(Callback):
         self.flops_per_batch_fn = flops_per_batch_fn
         self.recompute_fraction = recompute_fraction
         self.warmup_steps = warmup_steps
+        self._warmup = 1 if warmup_steps is None else warmup_steps
         self._clock = clock or default_clock
         self._edge = StepEdge()
         self._spec: HardwareSpec | None = None
@@ -232,6 +237,7 @@ class SpeedMonitor(Callback):
                 self._w_model_flops = int(window["model_flops"])
                 self._w_hw_flops = int(window["hardware_flops"])
                 self._w_flops_known = bool(window["flops_known"])
+        self._warmup = default_warmup(self.warmup_steps, trainer.max_steps, self._start_step)
 
     def _window_seconds(self) -> float:
         """Training seconds of the open window so far: the carried part, then from its start (paused: to the pause)."""
@@ -354,7 +360,7 @@ class SpeedMonitor(Callback):
         if not self._edge.crossed(trainer):
             return
         step = trainer.global_step
-        if step - self._start_step <= self.warmup_steps:
+        if step - self._start_step <= self._warmup:
             self._reset_window()
             self._w_start = self._clock()
             return

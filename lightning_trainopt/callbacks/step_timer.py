@@ -16,6 +16,7 @@ from lightning_trainopt.callbacks._common import (
     Clock,
     check_log_every,
     default_clock,
+    default_warmup,
     json_safe,
     log_interval,
     log_metrics,
@@ -59,6 +60,7 @@ class StepTimer(Callback):
     Args:
         log_every_n_steps: logging window in optimizer steps (default: the Trainer's ``log_every_n_steps``).
         warmup_steps: optimizer steps left out of the end-of-fit split (first-step allocation, compilation).
+            Default (``None``): 1, or 0 when the fit has a single step to go, so a 1-step run is timed too.
         input_threshold: share of wall time in data wait + copy above which the verdict is ``input-bound``.
         optimizer_threshold: share in the optimizer step above which it is ``optimizer/offload-bound``.
         comm_threshold: share of measured exposed communication above which it is ``communication-bound``.
@@ -74,7 +76,7 @@ class StepTimer(Callback):
     def __init__(
         self,
         log_every_n_steps: int | None = None,
-        warmup_steps: int = 1,
+        warmup_steps: int | None = None,
         input_threshold: float = 0.15,
         optimizer_threshold: float = 0.30,
         comm_threshold: float = 0.25,
@@ -82,8 +84,10 @@ class StepTimer(Callback):
         clock: Clock | None = None,
     ) -> None:
         check_log_every("callbacks.step_timer.log_every_n_steps", log_every_n_steps)
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ConfigError("callbacks.step_timer.warmup_steps", warmup_steps, "use an integer >= 0.")
+        if warmup_steps is not None and (
+            not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0
+        ):
+            raise ConfigError("callbacks.step_timer.warmup_steps", warmup_steps, "use an integer >= 0, or null.")
         for key, value in (
             ("input_threshold", input_threshold),
             ("optimizer_threshold", optimizer_threshold),
@@ -94,6 +98,7 @@ class StepTimer(Callback):
                 raise ConfigError(f"callbacks.step_timer.{key}", value, "use a fraction between 0 and 1.")
         self.log_every_n_steps = log_every_n_steps
         self.warmup_steps = warmup_steps
+        self._warmup = 1 if warmup_steps is None else warmup_steps
         self.input_threshold = input_threshold
         self.optimizer_threshold = optimizer_threshold
         self.comm_threshold = comm_threshold
@@ -234,6 +239,7 @@ class StepTimer(Callback):
         self._marks = []
         self._last_step = trainer.global_step
         self._start_step = trainer.global_step
+        self._warmup = default_warmup(self.warmup_steps, trainer.max_steps, self._start_step)
         loader = trainer.train_dataloader
         self._loader = {
             "num_workers": getattr(loader, "num_workers", None),
@@ -284,7 +290,7 @@ class StepTimer(Callback):
         if step == self._last_step:
             return
         self._last_step = step
-        if step - self._start_step <= self.warmup_steps:
+        if step - self._start_step <= self._warmup:
             # Drop warm-up steps; the window restarts at this step's end.
             self._marks = self._marks[-1:]
             return

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import log_interval, log_metrics
-from lightning_trainopt.core.schedules import check_warmup_cosine, warmup_cosine_factor
+from lightning_trainopt.core.schedules import check_warmup_cosine, resolve_warmup_steps, warmup_cosine_factor
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
 __all__ = ["WarmupCosineLR"]
@@ -33,26 +33,38 @@ class WarmupCosineLR(Callback):
     as fast); every optimizer's groups get the same factor. ``total_steps`` is in the same unit.
 
     Args:
-        warmup_steps: steps of linear warmup.
+        warmup_steps: steps of linear warmup; shorter than the schedule.
+        warmup_ratio: the warmup as a fraction in ``[0, 1)`` of the schedule's steps, rounded down
+            (:func:`~lightning_trainopt.core.schedules.resolve_warmup_steps`). Give at most one of the two; neither:
+            :data:`~lightning_trainopt.core.schedules.DEFAULT_WARMUP_RATIO`, so the default fits a run of any length
+            (a run under 30 steps has no warmup).
         total_steps: steps of the whole schedule. Default: ``trainer.estimated_stepping_batches`` (Lightning's
             "batches that will ``optimizer.step()``"). Under manual optimization with several optimizers and a
             ``max_steps`` limit, that estimate counts optimizer steps, not batches, so ``total_steps`` is required.
         min_lr_ratio: floor of the cosine as a fraction of the peak.
 
     Raises:
-        ConfigError: bad values (in ``__init__``), ``warmup_steps >= total_steps``, no step limit, or the
-            manual-optimization case above (at fit start, before the first batch).
+        ConfigError: bad values or both warmups (in ``__init__``), ``warmup_steps >= total_steps``, no step limit,
+            or the manual-optimization case above (at fit start, before the first batch).
         IncompatibleConfigError: the module also returns an LR scheduler (two schedules would fight), or the
             checkpoint's schedule has other optimizers/param groups than the module.
 
     Example::
 
-        trainer = Trainer(max_steps=1000, callbacks=[WarmupCosineLR(warmup_steps=100, min_lr_ratio=0.1)])
+        trainer = Trainer(max_steps=1000, callbacks=[WarmupCosineLR(warmup_ratio=0.1, min_lr_ratio=0.1)])
     """
 
-    def __init__(self, warmup_steps: int = 0, total_steps: int | None = None, min_lr_ratio: float = 0.0) -> None:
-        check_warmup_cosine(warmup_steps, total_steps, min_lr_ratio, prefix=_KEY)
+    def __init__(
+        self,
+        warmup_steps: int | None = None,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        warmup_ratio: float | None = None,
+    ) -> None:
+        check_warmup_cosine(warmup_steps, total_steps, min_lr_ratio, prefix=_KEY, warmup_ratio=warmup_ratio)
         self.warmup_steps = warmup_steps
+        self.warmup_ratio = warmup_ratio
+        self._warmup = 0  # resolved against the total at fit start
         self.total_steps = total_steps
         self.min_lr_ratio = min_lr_ratio
         self._total: int | None = total_steps
@@ -101,7 +113,10 @@ class WarmupCosineLR(Callback):
                 )
         else:
             self._total = self._estimated_total(trainer)
-        check_warmup_cosine(self.warmup_steps, self._total, self.min_lr_ratio, prefix=_KEY)
+        check_warmup_cosine(
+            self.warmup_steps, self._total, self.min_lr_ratio, prefix=_KEY, warmup_ratio=self.warmup_ratio
+        )
+        self._warmup = resolve_warmup_steps(self.warmup_steps, self.warmup_ratio, self._total)
         if not self._manual:
             self._step = trainer.global_step
         elif not restored and trainer.global_step == 0:
@@ -127,7 +142,7 @@ class WarmupCosineLR(Callback):
     def _apply(self, trainer: pl.Trainer) -> None:
         if self.base_lrs is None or self._total is None:
             return
-        factor = warmup_cosine_factor(self._step, self.warmup_steps, self._total, self.min_lr_ratio)
+        factor = warmup_cosine_factor(self._step, self._warmup, self._total, self.min_lr_ratio)
         for opt, bases in zip(trainer.optimizers, self.base_lrs):
             for group, base in zip(opt.param_groups, bases):
                 group["lr"] = base * factor
@@ -160,14 +175,16 @@ class WarmupCosineLR(Callback):
         log_metrics(trainer, {"lr/warmup_cosine": self.last_lr})
 
     def summary(self) -> dict[str, Any]:
-        """``{"lr_schedule": {"warmup_steps", "total_steps", "min_lr_ratio", "last_lr", "step", "unit"}}``.
+        """``{"lr_schedule": {...}}``: warmup_steps, warmup_ratio, total_steps, min_lr_ratio, last_lr, step, unit.
 
-        ``step`` is the schedule's position; ``unit`` is ``optimizer_steps`` (automatic optimization) or
-        ``batches_that_stepped`` (manual optimization).
+        ``warmup_steps`` is the warmup the schedule used (resolved from the ratio against the total); ``step`` is the
+        schedule's position; ``unit`` is ``optimizer_steps`` (automatic optimization) or ``batches_that_stepped``
+        (manual optimization).
         """
         return {
             "lr_schedule": {
-                "warmup_steps": self.warmup_steps,
+                "warmup_steps": self._warmup,
+                "warmup_ratio": self.warmup_ratio,
                 "total_steps": self._total,
                 "min_lr_ratio": self.min_lr_ratio,
                 "last_lr": self.last_lr,

@@ -8,10 +8,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
-from lightning_trainopt.core.schedules import check_warmup_cosine, warmup_cosine_factor
+from lightning_trainopt.core.schedules import (
+    DEFAULT_WARMUP_RATIO,
+    check_warmup_cosine,
+    resolve_warmup_steps,
+    warmup_cosine_factor,
+)
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.gpt import GPT
 
@@ -21,11 +27,27 @@ OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
 
 
 def warmup_cosine(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    warmup_steps: int | None = None,
+    warmup_ratio: float | None = None,
+    min_lr_ratio: float = 0.0,
 ) -> LambdaLR:
-    """Linear warmup then cosine decay to ``min_lr_ratio`` of the peak, stepped once per optimizer step."""
-    check_warmup_cosine(warmup_steps, total_steps, min_lr_ratio)
-    return LambdaLR(optimizer, lambda step: warmup_cosine_factor(step, warmup_steps, total_steps, min_lr_ratio))
+    """Linear warmup then cosine decay to ``min_lr_ratio`` of the peak, stepped once per optimizer step.
+
+    The warmup is ``warmup_steps`` if given, else ``warmup_ratio`` (default
+    :data:`~lightning_trainopt.core.schedules.DEFAULT_WARMUP_RATIO`) of ``total_steps``, rounded down
+    (:func:`~lightning_trainopt.core.schedules.resolve_warmup_steps`); one line on rank 0 says which it resolved to.
+
+    Raises:
+        ConfigError: both warmups given, a warmup not shorter than the run, or a bad value (naming the key).
+    """
+    check_warmup_cosine(warmup_steps, total_steps, min_lr_ratio, warmup_ratio=warmup_ratio)
+    warmup = resolve_warmup_steps(warmup_steps, warmup_ratio, total_steps)
+    ratio = DEFAULT_WARMUP_RATIO if warmup_ratio is None else warmup_ratio
+    source = "scheduler.warmup_steps" if warmup_steps is not None else f"scheduler.warmup_ratio={ratio}"
+    rank_zero_info(f"warmup_cosine: {warmup} warmup steps of {total_steps} optimizer steps ({source}).")
+    return LambdaLR(optimizer, lambda step: warmup_cosine_factor(step, warmup, total_steps, min_lr_ratio))
 
 
 class LitGPT(pl.LightningModule):

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from lightning_trainopt.app.validate import validate_config
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 
 # Only the model and the data are made small: trainer.max_steps and the scheduler's warmup stay the preset's and the
@@ -16,7 +17,7 @@ SMALL = (*(o for o in TINY if not o.startswith(_KEPT)), "data.max_bytes=300000")
 
 def test_preset_fits_the_default_scheduler(tmp_path):
     cfg = compose_config(["debug=profiler"], tmp_path)
-    assert cfg.scheduler.warmup_steps < cfg.trainer.max_steps
+    validate_config(cfg)  # the default schedule's warmup fits the preset's run
     schedule = cfg.trainer.profiler.schedule
     assert (schedule.wait, schedule.warmup, schedule.active) == (1, 1, 3)
     assert cfg.trainer.profiler.on_trace_ready._target_ == "torch.profiler.tensorboard_trace_handler"

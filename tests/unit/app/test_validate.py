@@ -177,7 +177,13 @@ def test_text_file_without_path_names_data_path(tmp_path):
 def test_a_warmup_cosine_callback_longer_than_the_run_is_refused_before_fit(tmp_path):
     # The callback checks itself at fit start; train.py now checks it with the other keys, before anything is built.
     cfg = compose_config(
-        ["callbacks=[default,warmup_cosine_lr]", "trainer.max_steps=20", "trainer.accelerator=cpu"], tmp_path
+        [
+            "callbacks=[default,warmup_cosine_lr]",
+            "trainer.max_steps=20",
+            "callbacks.warmup_cosine_lr.warmup_steps=30",
+            "trainer.accelerator=cpu",
+        ],
+        tmp_path,
     )
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)
@@ -192,3 +198,62 @@ def test_a_warmup_cosine_callback_longer_than_the_run_is_refused_before_fit(tmp_
         tmp_path,
     )
     validate_config(ok)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+@pytest.mark.parametrize("trainer", ["default", "ddp_sim"])
+def test_every_default_fits_a_smoke_run(tmp_path, steps, trainer):
+    # The user types only the run's length: no default may refuse it (the default warmup is a fraction of the run).
+    cfg = compose_config(
+        [f"trainer={trainer}", f"trainer.max_steps={steps}", "callbacks=[default,warmup_cosine_lr,non_finite_guard]"],
+        tmp_path,
+    )
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix_words"),
+    [
+        (["scheduler.warmup_ratio=1.0"], "scheduler.warmup_ratio", "[0, 1)"),
+        (["scheduler.warmup_ratio=-0.1"], "scheduler.warmup_ratio", "[0, 1)"),
+        (["scheduler.warmup_steps=3", "scheduler.warmup_ratio=0.1"], "scheduler.warmup_ratio", "warmup_steps=3"),
+        (["trainer.max_steps=3", "scheduler.warmup_steps=3"], "scheduler.warmup_steps", "3 optimizer steps"),
+        (
+            ["callbacks=[default,warmup_cosine_lr]", "callbacks.warmup_cosine_lr.warmup_ratio=1.5"],
+            "callbacks.warmup_cosine_lr.warmup_ratio",
+            "[0, 1)",
+        ),
+        (
+            [
+                "callbacks=[default,warmup_cosine_lr]",
+                "callbacks.warmup_cosine_lr.warmup_steps=2",
+                "callbacks.warmup_cosine_lr.warmup_ratio=0.1",
+            ],
+            "callbacks.warmup_cosine_lr.warmup_ratio",
+            "callbacks.warmup_cosine_lr.warmup_steps=2",
+        ),
+    ],
+)
+def test_bad_warmups_are_refused(tmp_path, overrides, key, fix_words):
+    cfg = compose_config([*overrides, "trainer.accelerator=cpu"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == key
+    assert fix_words in str(err.value)
+
+
+def test_explicit_warmup_steps_win_over_the_default_ratio(tmp_path):
+    import torch
+
+    from lightning_trainopt.models.lit_gpt import warmup_cosine
+
+    validate_config(compose_config(["scheduler.warmup_steps=4", "trainer.max_steps=5"], tmp_path))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    explicit = warmup_cosine(optimizer, total_steps=5, warmup_steps=4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.25)  # step 0 of a 4-step warmup
+    assert explicit.lr_lambdas[0](3) == pytest.approx(1.0)
+    by_ratio = warmup_cosine(optimizer, total_steps=300)
+    assert by_ratio.lr_lambdas[0](0) == pytest.approx(0.1)  # step 0 of the default 10-step warmup
+    assert by_ratio.lr_lambdas[0](9) == pytest.approx(1.0)
+    short = warmup_cosine(optimizer, total_steps=1)
+    assert short.lr_lambdas[0](0) == pytest.approx(1.0)  # a 1-step run starts at the peak

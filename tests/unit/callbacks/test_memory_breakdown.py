@@ -126,7 +126,6 @@ def test_one_step_as_an_int_and_a_new_run_measures_again():
         ({"at_steps": True}, "at_steps"),
         ({"at_steps": []}, "at_steps"),
         ({"at_steps": [-1]}, "at_steps"),
-        ({"at_steps": None}, "at_steps"),
         ({"model_state_fn": "accounted"}, "model_state_fn"),
     ],
 )
@@ -208,3 +207,13 @@ def test_bf16_mixed_counts_copies_of_frozen_weights_and_oom_advice_leaves_them_o
     assert any(
         "halve the micro-batch (4 -> 2)" in line and f"about {per_batch / 2:.2f} GiB less" in line for line in lines
     )
+
+
+@pytest.mark.parametrize(("max_steps", "measured"), [(1, 0), (2, 1), (3, 1)])
+def test_the_default_steps_measure_every_run(max_steps, measured):
+    cb = MemoryBreakdown()
+    module = tiny_module()
+    tiny_trainer([cb], max_steps=max_steps).fit(module, tiny_data(batch_size=4, seq_len=16))
+    assert list(cb.results) == [measured]
+    # Optimizer states are read after the measured step, so step 0 of a 1-step run has them too.
+    assert cb.results[measured]["optimizer_states"] > 0

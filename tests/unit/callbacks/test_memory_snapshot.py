@@ -57,3 +57,26 @@ def test_oom_writes_snapshot_breakdown_and_advice(tmp_path):
     assert report["breakdown"]["activations"] > 0
     assert report["breakdown"]["params"] == TINY.n_params() * 4
     assert any("activations are" in line for line in report["advice"])
+
+
+@pytest.mark.parametrize(("max_steps", "name"), [(3, "steps1-2"), (10, "steps1-3"), (2, "steps1-1")])
+def test_a_run_that_ends_inside_the_window_still_writes_it(tmp_path, monkeypatch, max_steps, name):
+    # The allocator calls are CUDA-only: record what the hooks ask for (the GPU test above runs the real ones).
+    from types import SimpleNamespace
+
+    from lightning_trainopt.core import _torch_private as private
+
+    dumped = []
+    monkeypatch.setattr(private, "start_memory_history", lambda max_entries: None)
+    monkeypatch.setattr(private, "stop_memory_history", lambda: None)
+    monkeypatch.setattr(private, "dump_memory_snapshot", dumped.append)
+    cb = MemorySnapshot(dirpath=str(tmp_path), start_step=1, num_steps=3, on_oom=False)
+    trainer = SimpleNamespace(global_step=0, max_steps=max_steps, global_rank=0)
+    cb.on_train_start(trainer, None)
+    for step in range(max_steps):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, None, None, step)
+        trainer.global_step = step + 1
+        cb.on_train_batch_end(trainer, None, None, None, step)
+    assert dumped == [str(tmp_path / f"snapshot_rank0_{name}.pickle")]
+    assert cb.files == dumped

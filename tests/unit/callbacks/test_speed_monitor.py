@@ -596,3 +596,12 @@ def test_validation_pause_on_gpu():
     logger = _fit(monitor, clock, max_steps=9, limit_val_batches=2, val_check_interval=3, accelerator="gpu")
     assert logger.values("throughput/tokens_per_s") == [64.0, 64.0, 64.0]
     assert monitor.summary()["throughput"]["seconds"] == 8.0
+
+
+@pytest.mark.parametrize(("max_steps", "timed"), [(1, 1), (2, 1), (3, 2)])
+def test_the_default_warmup_leaves_a_step_to_measure(max_steps, timed):
+    monitor = SpeedMonitor()
+    tiny_trainer([monitor], max_steps=max_steps).fit(tiny_module(), tiny_data())
+    throughput = monitor.summary()["throughput"]
+    assert throughput["samples"] == timed * 4  # tiny_data's micro-batch: the warm-up step (if any) left out
+    assert throughput["seconds"] > 0

@@ -18,7 +18,7 @@ from lightning_trainopt.core._torch_private import is_compiled
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.lit_gpt import LitGPT
-from tests.helpers.tiny_fit import ListLogger, tiny_module, tiny_trainer
+from tests.helpers.tiny_fit import ListLogger, tiny_data, tiny_module, tiny_trainer
 
 
 class SlowDataset(Dataset):
@@ -388,3 +388,10 @@ def test_compiled_detection_sees_each_way_of_compiling():
     whole = _Regression(compiled=False)
     from_compiled(torch.compile(whole, backend="eager"))  # what fit(torch.compile(module)) does
     assert is_compiled(whole)
+
+
+@pytest.mark.parametrize(("max_steps", "timed"), [(1, 1), (2, 1), (3, 2)])
+def test_the_default_warmup_leaves_a_step_to_time(max_steps, timed):
+    timer = StepTimer()
+    tiny_trainer([timer], max_steps=max_steps).fit(tiny_module(), tiny_data())
+    assert timer.summary()["step_time"]["steps"] == timed

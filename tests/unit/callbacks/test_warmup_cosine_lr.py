@@ -151,3 +151,32 @@ def test_refuses_a_second_scheduler():
     module = tiny_module(scheduler=partial(warmup_cosine, warmup_steps=1))
     with pytest.raises(IncompatibleConfigError, match="two learning-rate schedules"):
         tiny_trainer([WarmupCosineLR(warmup_steps=1)], max_steps=3).fit(module, tiny_data())
+
+
+def test_a_warmup_ratio_gives_the_curve_of_its_whole_steps():
+    steps = 8
+    ref = LrRecorder()
+    tiny_trainer([WarmupCosineLR(warmup_steps=2, min_lr_ratio=0.1), ref], max_steps=steps).fit(
+        tiny_module(), tiny_data()
+    )
+    rec = LrRecorder()
+    cb = WarmupCosineLR(warmup_ratio=0.3, min_lr_ratio=0.1)  # 0.3 x 8 = 2.4 -> 2 steps
+    tiny_trainer([cb, rec], max_steps=steps).fit(tiny_module(), tiny_data())
+    assert [r[0] for r in rec.lrs] == pytest.approx([r[0] for r in ref.lrs], rel=1e-12)
+    assert cb.summary()["lr_schedule"]["warmup_steps"] == 2
+    assert cb.summary()["lr_schedule"]["warmup_ratio"] == 0.3
+
+
+def test_the_default_warmup_fits_a_one_step_run():
+    rec = LrRecorder()
+    cb = WarmupCosineLR()
+    tiny_trainer([cb, rec], max_steps=1).fit(tiny_module(), tiny_data())
+    assert rec.lrs[0][0] == pytest.approx(3e-4)  # no warmup: the one step runs at the peak
+    assert cb.summary()["lr_schedule"]["warmup_steps"] == 0
+
+
+def test_both_warmups_are_refused_in_init():
+    with pytest.raises(ConfigError) as err:
+        WarmupCosineLR(warmup_steps=2, warmup_ratio=0.1)
+    assert err.value.key == "callbacks.warmup_cosine_lr.warmup_ratio"
+    assert "callbacks.warmup_cosine_lr.warmup_steps=2" in str(err.value)
