@@ -6,7 +6,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,13 +14,16 @@ import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import EarlyStopping, Timer
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
 
-from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env
-from lightning_trainopt.app.report import print_summary
+from lightning_trainopt.app.console import StepsProgressBar, model_line, quiet_console
+from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.app.run_clock import RunClock
 from lightning_trainopt.app.validate import validate_config
-from lightning_trainopt.callbacks import NonFiniteGuard
+from lightning_trainopt.callbacks import NonFiniteGuard, ResumableCheckpoint
+from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import LitGPT
 from lightning_trainopt.precision import trainer_precision_kwargs
@@ -32,6 +34,8 @@ __all__ = ["early_stop", "output_dir", "run_status", "train"]
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
+# The shell's code for a process ended by SIGINT (128 + 2): an interrupted run is not a success.
+INTERRUPTED_EXIT_CODE = 130
 
 
 def output_dir(cfg: DictConfig) -> Path:
@@ -69,12 +73,12 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
-def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int) -> Any:
+def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int, n_params: int) -> Any:
     if cfg.get("strategy") is None:
         return "auto"
     from lightning_trainopt.strategies import build_strategy
 
-    return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size)
+    return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size, n_params=n_params)
 
 
 def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
@@ -83,21 +87,6 @@ def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
     from lightning_trainopt.strategies import strategy_info
 
     return strategy_info(trainer)
-
-
-def _callback_summaries(trainer: pl.Trainer) -> dict[str, Any]:
-    """Merge every callback's ``summary()``; a section several callbacks fill (``memory_breakdown``) merges by key."""
-    out: dict[str, Any] = {}
-    for cb in trainer.callbacks:
-        summary = getattr(cb, "summary", None)
-        if not callable(summary):
-            continue
-        for key, value in summary().items():
-            if isinstance(value, dict) and isinstance(out.get(key), dict):
-                out[key] = {**out[key], **value}
-            elif value is not None or key not in out:
-                out[key] = value
-    return out
 
 
 def _final_validation(trainer: pl.Trainer, module: LitGPT, dm: pl.LightningDataModule, clock: RunClock) -> None:
@@ -166,6 +155,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: a config value is invalid.
         IncompatibleConfigError: a combination of options is known to break.
     """
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    quiet_console(on_cpu=accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
     validate_config(cfg)
     from lightning_trainopt.app.preflight import preflight
 
@@ -197,12 +188,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         *_instantiate_named(cfg.get("callbacks")),
     ]
     loggers = _instantiate_named(cfg.get("logger"))
-    strategy = _build_strategy(cfg, precision, cfg.data.batch_size)
+    strategy = _build_strategy(cfg, precision, cfg.data.batch_size, model_cfg.n_params())
 
     env = snapshot_env()
     prepare_child_command(run_dir)
     # Instantiated, not just converted: `debug=profiler` puts a profiler object under trainer.profiler.
     trainer_kwargs = instantiate(cfg.trainer, _convert_="all")
+    if trainer_kwargs.get("enable_progress_bar", True):
+        callbacks.append(StepsProgressBar())
+    if "enable_model_summary" not in trainer_kwargs:
+        # Lightning's table would show a FLOPs column of zeros (it counts only with an example_input_array).
+        trainer_kwargs["enable_model_summary"] = False
+        rank_zero_info(model_line(cfg.model.name, module.config.n_params()))
     trainer = pl.Trainer(
         **trainer_kwargs,
         strategy=strategy,
@@ -212,6 +209,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         **trainer_precision_kwargs(precision, strategy),
     )
     oom = False
+    interrupted: SystemExit | None = None
     train_loss = None
     stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
     info = _strategy_info(trainer, cfg)
@@ -229,19 +227,33 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             raise
         oom = True
         log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
+    except SystemExit as err:
+        # Ctrl-C or SIGTERM: Lightning stops the fit (SIGTERMException, or sys.exit after a second Ctrl-C) and
+        # ResumableCheckpoint saves where it stopped; the run's figures so far are still written, then it exits.
+        if trainer.state.status != TrainerStatus.INTERRUPTED:
+            raise
+        interrupted = err
+        train_loss = trainer.callback_metrics.get("train_loss")
+        info = _strategy_info(trainer, cfg)
     wall = time.perf_counter() - t0
 
     loss = float(train_loss) if train_loss is not None else None
-    status = run_status(oom, stopped["stopped_at_step"] is not None, loss)
+    status = "interrupted" if interrupted is not None else run_status(oom, stopped["stopped_at_step"] is not None, loss)
+    outcome: dict[str, Any] = {"status": status, **stopped}
+    if interrupted is not None:
+        saved = [cb.interrupt_path for cb in trainer.callbacks if isinstance(cb, ResumableCheckpoint)]
+        outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
     if status == "diverged":
         log.warning("the final train loss is %s: recorded as status=diverged", loss)
-    metrics = _collect_metrics(cfg, trainer, module, clock, precision, {"status": status, **stopped}, wall, loss, info)
+    metrics = _collect_metrics(cfg, trainer, module, clock, precision, outcome, wall, loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).write_text(metrics_json(metrics))
         print_summary(metrics, run_dir / METRICS_FILE)
-    _teardown_distributed()
+    teardown_distributed()
     restore_env(env)
+    if interrupted is not None:
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from interrupted
     return metrics
 
 
@@ -303,20 +315,5 @@ def _collect_metrics(
         "train_seconds": clock.train_seconds,
         "wall_seconds": wall,
     }
-    metrics.update(_callback_summaries(trainer))
+    metrics.update(callback_summaries(trainer.callbacks))
     return metrics
-
-
-def _teardown_distributed() -> None:
-    """Leave no process group behind: Hydra multirun runs the next job in this same process.
-
-    DeepSpeed caches its process groups in module globals; its own ``destroy_process_group`` releases them
-    too, otherwise the next DeepSpeed job of a sweep fails with "Group ... is not registered".
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    ds_comm = sys.modules.get("deepspeed.comm")
-    if ds_comm is not None and ds_comm.is_initialized():
-        ds_comm.destroy_process_group()
-    else:
-        torch.distributed.destroy_process_group()

@@ -4,6 +4,7 @@ from lightning_trainopt.callbacks.activation_checkpointing import ActivationChec
 from lightning_trainopt.callbacks.activation_compression import ActivationCompression
 from lightning_trainopt.callbacks.activation_offload import ActivationOffload
 from lightning_trainopt.callbacks.cost_monitor import CostMonitor
+from lightning_trainopt.callbacks.fit_report import FitReport
 from lightning_trainopt.callbacks.gpu_monitor import GPUMonitor
 from lightning_trainopt.callbacks.memory_breakdown import MemoryBreakdown
 from lightning_trainopt.callbacks.memory_snapshot import MemorySnapshot
@@ -19,6 +20,7 @@ __all__ = [
     "ActivationCompression",
     "ActivationOffload",
     "CostMonitor",
+    "FitReport",
     "GPUMonitor",
     "MemoryBreakdown",
     "MemorySnapshot",

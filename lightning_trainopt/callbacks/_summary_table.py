@@ -1,4 +1,4 @@
-"""The end-of-run summary: one rich table a person reads at a glance."""
+"""The end-of-run summary: one rich table a person reads at a glance (train.py's and :class:`FitReport`'s)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["format_bytes", "print_summary", "summary_rows"]
+__all__ = ["callback_summaries", "format_bytes", "print_summary", "summary_rows"]
 
 _HEADLINE = (
     ("status", "status"),
@@ -239,7 +239,23 @@ def summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def callback_summaries(callbacks: list[Any]) -> dict[str, Any]:
+    """Merge every callback's ``summary()``; a section several callbacks fill (``memory_breakdown``) merges by key."""
+    out: dict[str, Any] = {}
+    for cb in callbacks:
+        summary = getattr(cb, "summary", None)
+        if not callable(summary):
+            continue
+        for key, value in summary().items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = {**out[key], **value}
+            elif value is not None or key not in out:
+                out[key] = value
+    return out
+
+
 def print_summary(metrics: dict[str, Any], metrics_path: Path | None = None, console: Console | None = None) -> None:
+    """Print the summary table of ``metrics`` (a metrics.json dict), and where the full figures are."""
     table = Table(title="lightning_trainopt run summary", show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value", overflow="fold")

@@ -126,6 +126,16 @@ class ResumableCheckpoint(ModelCheckpoint):
         if self.dirpath is None or trainer.global_step == 0:
             return
         path = os.path.join(self.dirpath, f"interrupted-step{trainer.global_step:06d}.ckpt")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
         self.interrupt_path = path
         rank_zero_info(f"Interrupted at step {trainer.global_step}: saved {path} (resume with ckpt_path=<it>).")
+
+    def summary(self) -> dict[str, Any]:
+        """``{"checkpoint": {"last", "best", "interrupted"}}``: the paths to resume or evaluate from (``None``: none)."""
+        return {
+            "checkpoint": {
+                "last": self.last_model_path or None,
+                "best": self.best_model_path or None,
+                "interrupted": self.interrupt_path,
+            }
+        }

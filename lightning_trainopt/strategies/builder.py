@@ -8,12 +8,16 @@ from typing import Any
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_trainopt.core.estimate.model_states import MODEL_SIZED_BUCKET_CAP, model_sized_bucket
+from lightning_trainopt.core.schedules import peak_lr
 from lightning_trainopt.exceptions import ConfigError, MissingDependencyError
 from lightning_trainopt.precision.spec import PrecisionSpec
 
-__all__ = ["build_strategy", "strategy_info", "preset_name"]
+__all__ = ["BUCKET_KEYS", "bucket_elements", "build_strategy", "preset_name", "strategy_info"]
 
 _RESERVED = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
+#: DeepSpeed bucket arguments a preset may set to ``auto``: sized to the model (:func:`model_sized_bucket`).
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
 
 
 def _log2_int(value: float, key: str) -> int:
@@ -32,12 +36,15 @@ def build_strategy(
     precision: PrecisionSpec,
     trainer_cfg: DictConfig | dict[str, Any] | None = None,
     micro_batch_size: int | None = None,
+    n_params: int | None = None,
 ) -> Strategy | str:
     """Instantiate a strategy preset (``cfg.strategy``), or return ``"auto"`` when there is none.
 
     For DeepSpeed presets the builder fills what DeepSpeed would otherwise guess or take from elsewhere:
 
     * ``train_micro_batch_size_per_gpu`` <- ``micro_batch_size`` (the datamodule's ``data.batch_size``),
+    * ``reduce_bucket_size``/``allgather_bucket_size: auto`` (the ZeRO-1/2 presets) <- the model's parameter count
+      ``n_params``, at most 5e7 elements (the planner sizes them the same way); a number is used as given,
     * fp16 loss scaling: ``initial_scale_power = log2(precision.init_scale)``,
       ``loss_scale_window = precision.growth_interval``,
     * gradient accumulation and clipping come from the Trainer (``trainer.accumulate_grad_batches``,
@@ -48,10 +55,12 @@ def build_strategy(
         precision: the precision preset.
         trainer_cfg: the ``trainer`` node (only checked here; the Trainer itself passes its values at setup).
         micro_batch_size: micro-batch per device.
+        n_params: the model's parameter count, for ``auto`` bucket sizes (``None``: unknown, the 5e7 cap applies).
 
     Raises:
         ConfigError: a missing ``_target_``, a non-positive micro-batch, a loss scale that is not a power of two,
-            or a clipping-by-value request under DeepSpeed.
+            a bucket size that is neither a positive whole number nor ``auto``, or a clipping-by-value request
+            under DeepSpeed.
     """
     if strategy_cfg is None:
         return "auto"
@@ -77,11 +86,34 @@ def build_strategy(
     if _is_deepspeed_target(target):
         _require_deepspeed(name)
         _map_deepspeed(node, name, precision, trainer_cfg, micro_batch_size)
+        for key in BUCKET_KEYS:
+            if key in node:
+                node[key] = bucket_elements(f"strategy.{key}", node[key], n_params)
     strategy = instantiate(node, _convert_="all")
     if not isinstance(strategy, Strategy):
         raise ConfigError("strategy._target_", target, "point it at a lightning.pytorch Strategy class.")
     strategy.trainopt_preset = name  # type: ignore[attr-defined]
     return strategy
+
+
+def bucket_elements(key: str, value: Any, n_params: int | None) -> int:
+    """The elements of a DeepSpeed bucket argument: ``auto`` -> :func:`model_sized_bucket` of ``n_params``.
+
+    Args:
+        key: the config key, for the error.
+        value: the preset's or the user's value: a positive whole number (``5e7`` passes) or ``auto``.
+        n_params: the model's parameter count; ``None`` (unknown) gives ``auto`` the cap of 5e7 elements.
+
+    Raises:
+        ConfigError: neither ``auto`` nor a positive whole number.
+    """
+    if value == "auto":
+        return MODEL_SIZED_BUCKET_CAP if n_params is None else model_sized_bucket(n_params)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ConfigError(
+            key, value, "use a positive whole number of elements, or auto (the model's parameter count, at most 5e7)."
+        )
+    return int(value)
 
 
 def _require_deepspeed(name: str) -> None:
@@ -157,7 +189,8 @@ def preset_name(strategy: Strategy | str) -> str:
 
 def strategy_info(trainer: Any) -> dict[str, Any]:
     """``{"strategy": preset, "zero_stage": stage the DeepSpeed engine runs (None otherwise), "offload": ...,
-    "optimizer": {"name": class the DeepSpeed engine steps with, "lr": its first group's lr} or None}``."""
+    "optimizer": {"name": class the DeepSpeed engine steps with, "lr": its first group's configured (peak) rate,
+    "lr_now": the rate the schedule has set now} or None}``."""
     strategy = trainer.strategy
     info: dict[str, Any] = {"strategy": preset_name(strategy), "zero_stage": None, "offload": None, "optimizer": None}
     engine = getattr(strategy, "model", None)
@@ -169,7 +202,8 @@ def strategy_info(trainer: Any) -> dict[str, Any]:
         }
         basic = getattr(engine, "basic_optimizer", None)
         if basic is not None:
-            info["optimizer"] = {"name": type(basic).__name__, "lr": float(basic.param_groups[0]["lr"])}
+            group = basic.param_groups[0]
+            info["optimizer"] = {"name": type(basic).__name__, "lr": peak_lr(group), "lr_now": float(group["lr"])}
     return info
 
 

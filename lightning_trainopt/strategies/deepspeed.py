@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_buffers
+from lightning_trainopt.core.schedules import peak_lr
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.strategies.deepspeed_json import check_json_precision
 from lightning_trainopt.strategies.nvme_resume import restore_nvme_optimizer_state
@@ -358,7 +359,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
             source = "the DeepSpeed config's optimizer block" if "optimizer" in self.config else "configure_optimizers"
             rank_zero_info(
                 f"DeepSpeed steps with {type(basic).__module__}.{type(basic).__name__} "
-                f"(lr={basic.param_groups[0]['lr']:g}, from {source})."
+                f"(lr={peak_lr(basic.param_groups[0]):g}, from {source})."
             )
 
     @override

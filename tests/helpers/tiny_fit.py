@@ -36,6 +36,8 @@ def tiny_trainer(callbacks: list[pl.Callback], max_steps: int = 4, **kwargs: Any
         "limit_val_batches": 0,
         "num_sanity_val_steps": 0,
     }
+    # Lightning refuses a ModelCheckpoint (ResumableCheckpoint) with enable_checkpointing=False.
+    defaults["enable_checkpointing"] = any(isinstance(cb, pl.callbacks.ModelCheckpoint) for cb in callbacks)
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **defaults)
 

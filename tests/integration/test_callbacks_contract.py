@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -22,6 +23,8 @@ from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 MIN_KWARGS: dict[str, dict] = {name: {} for name in cbs.__all__}
 # On CPU the finder needs a byte budget (it refuses to guess one).
 MIN_KWARGS["MicroBatchFinder"] = {"budget_bytes": 200_000_000}
+# Checkpoints go to a temporary folder, not the working directory.
+MIN_KWARGS["ResumableCheckpoint"] = {"dirpath": tempfile.mkdtemp(prefix="contract_ckpt_")}
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 

@@ -68,7 +68,7 @@ def test_issue_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_
     assert m["offload"] == {"optimizer": "cpu", "param": "none"}
     # DeepSpeed built the JSON's AdamW itself and, under optimizer offload, as its CPU Adam; lr from the JSON (our
     # optimizer preset's lr and scheduler are not used).
-    assert m["optimizer"] == {"name": "DeepSpeedCPUAdam", "lr": 6e-5}
+    assert m["optimizer"] == {"name": "DeepSpeedCPUAdam", "lr": 6e-5, "lr_now": 6e-5}
     log = proc.stdout + proc.stderr
     assert "DeepSpeedCPUAdam (lr=6e-05, from the DeepSpeed config's optimizer block)" in log
     # train_batch_size = micro-batch x world size x accumulation.

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from lightning_trainopt.app.train import train
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
@@ -162,12 +163,22 @@ def test_documented_zero3_command_runs_stage_3(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Lightning's own console handler and Hydra's both printed each Lightning line: once now.
-    assert (proc.stdout + proc.stderr).count("`Trainer.fit` stopped: `max_steps=3` reached.") == 1
+    console = proc.stdout + proc.stderr
+    assert console.count("`Trainer.fit` stopped: `max_steps=3` reached.") == 1
+    # No third-party chatter a user cannot act on, and no empty figures (Lightning's summary without FLOPs).
+    for noise in ("FutureWarning", "is deprecated", "Setting accelerator to CPU", "💡 Tip", "Total FLOPs", "gcc "):
+        assert noise not in console, noise
+    assert console.count("model gpt_tiny: 836,736 parameters") == 1  # rank 0 only
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     check_schema(metrics)
     assert metrics["strategy"] == "zero3"
     assert metrics["zero_stage"] == 3  # as reported by the DeepSpeed engine itself
     assert metrics["precision"] == "bf16"
+    # The preset's configured rate, not the warmup's first step (3e-4) nor where the cosine ended.
+    peak = OmegaConf.load(REPO_ROOT / "conf" / "optimizer" / "adamw.yaml").lr
+    assert metrics["optimizer"]["name"] == "AdamW"
+    assert metrics["optimizer"]["lr"] == pytest.approx(peak)
+    assert metrics["optimizer"]["lr_now"] < peak
 
 
 def test_metrics_report_the_batch_a_micro_batch_finder_chose(tmp_path):

@@ -1,6 +1,6 @@
 from rich.console import Console
 
-from lightning_trainopt.app.report import format_bytes, print_summary, summary_rows
+from lightning_trainopt.callbacks._summary_table import format_bytes, print_summary, summary_rows
 
 
 def test_format_bytes_units():
