@@ -16,6 +16,7 @@ from lightning_trainopt.core.estimate import (
     StrategyLayout,
     optimizer_state_model,
 )
+from lightning_trainopt.core.estimate.model_states import MODEL_SIZED_BUCKET_CAP
 from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_buffers
 from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
@@ -170,6 +171,13 @@ def _json_layout(name: str, ds: dict[str, Any]) -> StrategyLayout:
     )
 
 
+def _bucket(node: dict[str, Any]) -> int:
+    """``strategy.reduce_bucket_size`` in elements (Lightning's default 2e8); ``auto`` gives the cap of the bucket
+    that :class:`StrategyLayout` sizes to the model (``buckets_sized_to_model``)."""
+    value = node.get("reduce_bucket_size", 200_000_000)
+    return MODEL_SIZED_BUCKET_CAP if value == "auto" else _whole("strategy.reduce_bucket_size", value)
+
+
 def _offload_block(zero: dict[str, Any], block: str) -> dict[str, Any]:
     """``zero_optimization.<block>`` as a mapping (``{}`` when absent; its type is checked by ``_offload_device``)."""
     node = zero.get(block)
@@ -210,7 +218,9 @@ def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
             zero_stage=_whole("strategy.stage", node.get("stage", 2)),
             offload_optimizer=off_opt,
             offload_params=off_par,
-            reduce_bucket_size=_whole("strategy.reduce_bucket_size", node.get("reduce_bucket_size", 200_000_000)),
+            reduce_bucket_size=_bucket(node),
+            # `auto` (the ZeRO-1/2 presets): the model's parameter count, at most the cap, as the builder runs it.
+            buckets_sized_to_model=node.get("reduce_bucket_size") == "auto",
             param_persistence_threshold=_whole(
                 "strategy.param_persistence_threshold", node.get("param_persistence_threshold", persistence), 0
             ),

@@ -47,13 +47,32 @@ from lightning_trainopt.core.estimate.zero3_gather import zero3_gathered_peak_nu
 from lightning_trainopt.core.estimate.zero_infinity import nvme_optimizer_terms, nvme_param_terms, zero3_sub_groups
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
-__all__ = ["ADAM_PATHS", "StrategyLayout", "estimate_model_states", "param_dtype_bytes"]
+__all__ = [
+    "ADAM_PATHS",
+    "MODEL_SIZED_BUCKET_CAP",
+    "StrategyLayout",
+    "estimate_model_states",
+    "model_sized_bucket",
+    "param_dtype_bytes",
+]
 
 _KINDS = ("single", "ddp", "fsdp", "deepspeed")
 _PLACES = ("none", "cpu", "nvme")
 #: How torch Adam/AdamW runs its step: ``fused`` kernel, ``foreach`` (multi-tensor) or ``single_tensor`` loop.
 ADAM_PATHS = ("fused", "foreach", "single_tensor")
 ModuleTrace = tuple[tuple[tuple[int, int], ...], ...]
+#: Largest DeepSpeed bucket, in elements, of a preset whose bucket sizes are ``auto`` (Lightning's default 2e8
+#: allocates 0.8 GB of fp32 per rank up front).
+MODEL_SIZED_BUCKET_CAP = 50_000_000
+
+
+def model_sized_bucket(n_params: int, cap: int = MODEL_SIZED_BUCKET_CAP) -> int:
+    """Elements of an ``auto`` DeepSpeed bucket: the model's parameter count, at most ``cap``.
+
+    A bucket holds gradients (reduce) or parameters (all-gather) of the model, so one larger than the model is
+    allocated and never filled; a 0.8M-parameter model would otherwise carry two 5e7-element reduce buffers.
+    """
+    return max(1, min(int(cap), int(n_params)))
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,8 @@ class StrategyLayout:
         params_buffer_count: pinned swap buffers of parameter NVMe offload (Lightning's default 5).
         params_buffer_size: elements per parameter swap buffer (Lightning's default 1e8).
         max_in_cpu: parameter partition elements NVMe parameter offload keeps in CPU memory (default 1e9).
+        buckets_sized_to_model: the preset's bucket size is ``auto``: ``reduce_bucket_size`` is then the cap and
+            the bucket :func:`model_sized_bucket` of the model's parameter count, as the strategy builder runs it.
 
     Example::
 
@@ -102,6 +123,13 @@ class StrategyLayout:
     params_buffer_count: int = 5
     params_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
+    buckets_sized_to_model: bool = False
+
+    def bucket_numel(self, n_params: int) -> int:
+        """Elements of the reduce bucket DeepSpeed allocates for a model of ``n_params`` parameters."""
+        if self.buckets_sized_to_model:
+            return model_sized_bucket(n_params, self.reduce_bucket_size)
+        return self.reduce_bucket_size
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -386,8 +414,8 @@ def _deepspeed(
         terms.append(_adam_temporary(optimizer, adam_path, [[p] for p in group_parts], 4, "device"))
     if layout.contiguous_gradients:
         # stage3.py allocates the bucket once, after the optimizer states, on the device, and keeps it.
-        bucket = layout.reduce_bucket_size
-        terms.append(Term("other", "device", "reduce bucket", h * bucket, f"{h} B x reduce_bucket_size {bucket:,}"))
+        bucket = layout.bucket_numel(n)
+        terms.append(Term("other", "device", "reduce bucket", h * bucket, f"{h} B x {_bucket_formula(layout, n)}"))
     gathered = zero3_gathered_peak_numel(
         trace,
         layout.param_persistence_threshold,
@@ -419,20 +447,27 @@ def _deepspeed(
     return MemoryEstimate.of(t for t in terms if t is not None)
 
 
+def _bucket_formula(layout: StrategyLayout, n: int) -> str:
+    size = layout.bucket_numel(n)
+    if layout.buckets_sized_to_model:
+        return f"reduce_bucket_size auto = min({layout.reduce_bucket_size:,}, N) = {size:,}"
+    return f"reduce_bucket_size {size:,}"
+
+
 def _reduce_buckets(layout: StrategyLayout, h: int, n: int) -> Term:
     """ZeRO-1/2 gradient-reduction buffers (``stage_1_and_2.py`` ``setup_buckets``), alive during backward."""
     if not (layout.contiguous_gradients or layout.offload_optimizer != "none"):
         # Without contiguous buffers each bucket's gradients are flattened into one transient of at most its size.
-        bucket = min(layout.reduce_bucket_size, n)
+        bucket = min(layout.bucket_numel(n), n)
         return Term("other", "device", "reduce flatten", h * bucket, f"{h} B x min(reduce_bucket_size, N)", "backward")
     copies = 2 if layout.overlap_comm else 1
-    size = layout.reduce_bucket_size
+    size = layout.bucket_numel(n)
     return Term(
         "other",
         "device",
         f"reduce bucket{'s (double-buffered: overlap_comm)' if copies == 2 else ''}",
         copies * h * size,
-        f"{copies} x {h} B x reduce_bucket_size {size:,}",
+        f"{copies} x {h} B x {_bucket_formula(layout, n)}",
         phase="backward",
     )
 
