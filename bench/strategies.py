@@ -168,6 +168,7 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
         vocab_size=model_cfg.vocab_size,
         seed=args.seed,
     )
+
     class ValLosses(Callback):
         """``val_loss`` of each validation inside ``fit``, by the step it ran at."""
 

@@ -131,7 +131,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         rank_zero_info(f"Interrupted at step {trainer.global_step}: saved {path} (resume with ckpt_path=<it>).")
 
     def summary(self) -> dict[str, Any]:
-        """``{"checkpoint": {"last", "best", "interrupted"}}``: the paths to resume or evaluate from (``None``: none)."""
+        """``{"checkpoint": {"last", "best", "interrupted"}}``: the paths to resume or evaluate from (or ``None``)."""
         return {
             "checkpoint": {
                 "last": self.last_model_path or None,

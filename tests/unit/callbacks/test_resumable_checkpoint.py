@@ -57,7 +57,8 @@ def test_a_validation_at_a_saved_step_still_writes_the_best_checkpoint(tmp_path)
     steps, files = _fit(tmp_path, ResumableCheckpoint, limit_val_batches=2, val_check_interval=4)
     assert steps[:4] == [None, None, 2, 2]
     best = [f for f in files if f != "last.ckpt"]
-    assert len(best) == 1 and best[0].startswith("step4-val"), files
+    assert len(best) == 1, files
+    assert best[0].startswith("step4-val"), files
 
 
 class RaiseAt(Callback):
