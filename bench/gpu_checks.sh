@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The ONE prepared script for a GPU machine (H200): every CUDA-only test and the benchmarks' GPU modes, in two parts
-# that each end well inside the device tool's 10-minute command limit (part 1 first: it holds the acceptance checks).
+# The ONE prepared script for a GPU machine (H200): every CUDA-only test and the benchmarks' GPU modes, in three parts
+# that each end inside the device tool's 10-minute command limit (part 1 first: it holds the acceptance checks; with
+# 15 device-minutes a session, part 3 is for a session that has time left or a later one).
 #
 #   bash bench/gpu_wheels.sh                      # here, once: wheels the bare GPU image lacks, into .whl/
 #   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 1`   (~6-7 min)
 #   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 2`   (~5-6 min, if time is left)
+#   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 3`   (the ladder, not yet timed)
 #
 # Outputs go under $OUT (the device tool brings them back) or /tmp/gpu_checks. `set -u` only: one failure must not
 # hide the rest; every step has its own timeout so a hang cannot eat the session.
@@ -43,9 +45,19 @@ if [ "$PART" = "2" ]; then
     timeout 180 "$PY" bench/memory_techniques.py --layers 12 --d-model 1024 --heads 16 --seq-len 1024 --batch 8 \
         --steps 5 2>&1 | tee "$OUT/memory_techniques_cuda.txt"
     # Issue 3: the strategies on one GPU with the ~1B model (world size 1: sharding shows in the offload columns).
+    # --val-every 2: validations at steps 2 and 4 and one after fit; post_fit_val_loss must equal val_losses["4"]
+    # (issue 12: ZeRO-3 once re-initialised the trained weights in a validation after fit).
     log "strategies gpu"
     timeout 300 "$PY" bench/strategies.py --accelerator gpu --devices 1 --model gpt_1b --seq-len 1024 \
-        --batch-size 4 --precision bf16-mixed --max-steps 4 --presets ddp zero2 zero2_offload zero3 \
+        --batch-size 4 --precision bf16-mixed --max-steps 4 --val-every 2 --presets ddp zero2 zero2_offload zero3 \
         --out "$OUT/strategies_gpu.json" 2>&1 | tail -20 | tee "$OUT/strategies_gpu.txt"
+fi
+
+if [ "$PART" = "3" ]; then
+    # Issue 12: the ladder on one GPU: measured allocator peak, TFLOP/s, MFU against the H200's bf16/fp32 peaks and
+    # $/1B tokens at the preset price, each beside the planner's prediction (ladder.md, ladder.csv, ladder.png).
+    log "ladder gpu"
+    timeout 540 "$PY" train.py -m experiment=ladder trainer=gpu trainer.devices=1 hardware=h200 \
+        hydra.sweep.dir="$OUT/ladder" 2>&1 | tail -30 | tee "$OUT/ladder_gpu.txt"
 fi
 log "done part $PART"
