@@ -151,14 +151,15 @@ def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
             cause = err if isinstance(err, TrainOptError) else None
             if isinstance(err, InstantiationException):
                 cause = user_error(err)
-            if cause is not None:
-                _refuse(cause)
-            elif in_sweep or is_sweep_child():
-                _fail(err)
-            else:
+            if cause is None and not (in_sweep or is_sweep_child()):
                 raise
             if in_sweep:
-                end_job()
+                end_job()  # first: the record then holds the errors of the child ranks it waited for
+            if cause is not None:
+                _refuse(cause)
+            else:
+                _fail(err)
+            if in_sweep:
                 restore_env(env)
 
     return run

@@ -29,12 +29,12 @@ from lightning_trainopt.app.ladder_rows import (
     predicted_row,
 )
 from lightning_trainopt.app.sweep import status_text
+from lightning_trainopt.exceptions import install_command
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
-    "PLOT_HINT",
     "LadderReport",
     "LadderRow",
     "collect_ladder",
@@ -47,7 +47,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PLOT_HINT = 'pip install torch==2.13.0 matplotlib (or pip install torch==2.13.0 -e ".[cpu]")'
+
+def _plot_hint() -> str:
+    """The install line for the plot, with the installed torch pinned (so pip keeps a cluster's CUDA build)."""
+    return install_command("plot")
+
 _GIB = 2**30
 
 
@@ -271,7 +275,7 @@ def write_ladder_report(rows: list[LadderRow], out_dir: Path) -> dict[str, Path]
         plot_note = ""
     except ImportError:
         plot_note = (
-            f"ladder.png not written: matplotlib is not installed. {PLOT_HINT}, then "
+            f"ladder.png not written: matplotlib is not installed. {_plot_hint()}, then "
             f"python -m lightning_trainopt.app.ladder {out_dir} writes this report again with the plot."
         )
     notes = _Notes()
@@ -339,7 +343,7 @@ class LadderReport(Callback):
         print(paths["md"].read_text())
         print(f"ladder report: {', '.join(str(p) for p in paths.values())}")
         if "png" not in paths:
-            log.warning("ladder.png not written: matplotlib is not installed: %s", PLOT_HINT)
+            log.warning("ladder.png not written: matplotlib is not installed: %s", _plot_hint())
 
 
 def main(argv: list[str] | None = None) -> int:

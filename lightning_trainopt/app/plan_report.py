@@ -337,16 +337,16 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
 
 
 def refused_jobs(sweep_dir: Path) -> dict[str, str]:
-    """``{job: error}`` of the jobs of a ``plan.py -m`` sweep that were refused.
+    """``{job: error}`` of the jobs of a ``plan.py -m`` sweep that were not planned: refused, or failed (raised).
 
-    A refused job leaves ``metrics.json`` with ``status: refused`` in its directory (``app.cli``); a planned one
-    leaves nothing there (the plan goes to stdout).
+    Such a job leaves ``metrics.json`` with ``status: refused`` or ``failed`` in its directory (``app.cli``); a
+    planned one leaves nothing there (the plan goes to stdout).
     """
     out = {}
     for metrics in sorted(sweep_dir.glob("*/metrics.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
         data = json.loads(metrics.read_text())
-        if isinstance(data, dict) and data.get("status") == "refused":
-            out[metrics.parent.name] = str(data.get("error", ""))
+        if isinstance(data, dict) and data.get("status") in ("refused", "failed"):
+            out[metrics.parent.name] = f"{data['status']}: {data.get('error', '')}"
     return out
 
 
@@ -375,8 +375,9 @@ class PlanSweepCheck(Callback):
         if not refused:
             return
         for job, error in refused.items():
-            print(f"error: job {job} refused: {error}", file=sys.stderr)
-        print(f"error: {len(refused)} of {self.jobs} plan job(s) of {sweep_dir} refused; see above.", file=sys.stderr)
+            print(f"error: job {job} {error}", file=sys.stderr)
+        tally = f"{len(refused)} of {self.jobs} plan job(s) of {sweep_dir}"
+        print(f"error: {tally} not planned; see above.", file=sys.stderr)
         if len(refused) >= self.jobs:
             # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
             raise SystemExit(2)

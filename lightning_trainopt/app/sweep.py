@@ -97,13 +97,20 @@ def write_summary(sweep_dir: Path) -> tuple[Path, Path]:
     return md_path, csv_path
 
 
+def _succeeded(row: dict[str, Any]) -> bool:
+    """``ok``, or stopped by Lightning's ``EarlyStopping``: the fit ended as its config asked (``NonFiniteGuard``'s
+    stop is a failure)."""
+    status = row.get("status")
+    return status == "ok" or (status == "stopped" and row.get("stopped_by") == "EarlyStopping")
+
+
 def no_job_succeeded(rows: list[dict[str, Any]]) -> bool:
-    """Jobs ran and recorded their outcome in a metrics.json, and none of them is ``ok``.
+    """Jobs ran and recorded their outcome in a metrics.json, and none of them succeeded (:func:`_succeeded`).
 
     A sweep whose jobs write no metrics.json (``plan.py -m``: a planned job prints its plan) is not judged here.
     """
     recorded = [r for r in rows if r.get("status") != "missing"]
-    return bool(recorded) and not any(r.get("status") == "ok" for r in recorded)
+    return bool(recorded) and not any(_succeeded(r) for r in recorded)
 
 
 class SweepSummary(Callback):

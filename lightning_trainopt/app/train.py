@@ -233,7 +233,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if trainer.state.status != TrainerStatus.INTERRUPTED:
             raise
         interrupted = err
-        train_loss = trainer.callback_metrics.get("train_loss")
+        if train_loss is None:  # else the fit had ended and the final validation was interrupted
+            train_loss = trainer.callback_metrics.get("train_loss")
         info = _strategy_info(trainer, cfg)
     wall = time.perf_counter() - t0
 
@@ -253,7 +254,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     teardown_distributed()
     restore_env(env)
     if interrupted is not None:
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from interrupted
+        # Rank 0 reports the interrupt. The ranks Lightning started exit 0: its watcher on rank 0 kills rank 0 as
+        # soon as a child exits non-zero, which would cut metrics.json short.
+        code = INTERRUPTED_EXIT_CODE if os.environ.get("LOCAL_RANK", "0") == "0" else 0
+        raise SystemExit(code) from interrupted
     return metrics
 
 

@@ -48,7 +48,8 @@ class ResumableCheckpoint(ModelCheckpoint):
         self.save_on_interrupt = save_on_interrupt
         self.interrupt_path: str | None = None
         self._previous_sigint: Any = None
-        self._sigint = False
+        self._sigint = self._sigterm = False
+        self._boundary_step = -1
 
     # ----------------------------------------------------------------- latest state on schedule
     @override
@@ -56,8 +57,13 @@ class ResumableCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        every = self._every_n_train_steps
+        if trainer.global_step == self._boundary_step:
+            # A micro-batch that accumulates towards the next optimizer step: no save, no stop, no collective.
+            self._hold_local_sigterm(trainer)
+            return
+        self._boundary_step = trainer.global_step
         self._stop_if_interrupted(trainer)
+        every = self._every_n_train_steps
         if not self.save_last or self.monitor is None or every < 1 or trainer.global_step % every:
             return
         if self._should_skip_saving_checkpoint(trainer):
@@ -73,8 +79,10 @@ class ResumableCheckpoint(ModelCheckpoint):
     # ----------------------------------------------------------------- interrupts
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         self.interrupt_path = None
-        self._sigint = False
+        self._sigint = self._sigterm = False
+        self._boundary_step = trainer.global_step
         if not self.save_on_interrupt or threading.current_thread() is not threading.main_thread():
             return
         self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
@@ -82,6 +90,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_sigint()
+        super().on_train_end(trainer, pl_module)  # Lightning writes last.ckpt here when nothing was saved yet
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         self._restore_sigint()  # a second Ctrl-C raises KeyboardInterrupt at once
@@ -90,22 +99,31 @@ class ResumableCheckpoint(ModelCheckpoint):
             "\nCtrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to abort without one)."
         )
 
-    def _stop_if_interrupted(self, trainer: pl.Trainer) -> None:
-        """After a Ctrl-C on any rank, stop every rank at this same step boundary.
+    def _hold_local_sigterm(self, trainer: pl.Trainer) -> None:
+        """Between optimizer steps on several processes, keep a SIGTERM this rank saw for the next agreement.
 
-        The ranks agree first (one scalar all-reduce per step, beside the SIGTERM broadcast Lightning already makes
-        every step): a Ctrl-C reaches each process at a slightly different moment, and ranks that stopped at
-        different steps would pair mismatched collectives in the checkpoint save and hang. The stop itself is
-        Lightning's preemption path: ``received_sigterm`` makes every rank raise ``SIGTERMException`` at the end of
-        this batch.
+        Lightning raises ``SIGTERMException`` at the end of any batch on a rank whose own flag is set; a rank that
+        saw the signal a moment before the others would stop a batch earlier than they do and hang in the save.
+        """
+        if self.save_on_interrupt and trainer.world_size > 1 and trainer.received_sigterm:
+            self._sigterm = True
+            trainer._signal_connector.received_sigterm = False
+
+    def _stop_if_interrupted(self, trainer: pl.Trainer) -> None:
+        """After a Ctrl-C or SIGTERM on any rank, stop every rank at this same optimizer-step boundary.
+
+        On several processes the ranks agree first: one scalar all-reduce per optimizer step (not per micro-batch),
+        beside the SIGTERM broadcast Lightning already makes every batch there. A signal reaches each process at a
+        slightly different moment, and ranks that stopped at different batches would pair mismatched collectives in
+        the checkpoint save and hang. The stop itself is Lightning's preemption path: ``received_sigterm`` makes
+        every rank raise ``SIGTERMException`` at the end of this batch, after its optimizer step.
         """
         if not self.save_on_interrupt:
             return
-        stop = self._sigint
+        stop = self._sigint or self._sigterm or trainer.received_sigterm
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop:
-            trainer._signal_connector.received_sigterm = True
+        trainer._signal_connector.received_sigterm = stop
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:
@@ -115,6 +133,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_sigint()
+        super().on_exception(trainer, pl_module, exception)  # ModelCheckpoint(save_on_exception=True) still works
         if not self.save_on_interrupt or not isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
             return
         if isinstance(exception, KeyboardInterrupt) and trainer.world_size > 1:

@@ -144,13 +144,26 @@ def _sweep(tmp_path, jobs: dict[str, dict | None]):
     return OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
 
 
-def test_a_plan_sweep_with_a_refused_job_exits_2(tmp_path, capsys):
-    config = _sweep(tmp_path, {"0": {"status": "refused", "error": "trainer.devices=0 is invalid"}, "1": None})
-    assert refused_jobs(tmp_path) == {"0": "trainer.devices=0 is invalid"}
+def _ended(check: PlanSweepCheck, config, n_jobs: int) -> None:
+    for _ in range(n_jobs):
+        check.on_job_end(config, job_return=None)
+    check.on_multirun_end(config)
+
+
+def test_a_plan_sweep_exits_2_only_when_no_job_was_planned(tmp_path, capsys):
+    refused = {"status": "refused", "error": "trainer.devices=0 is invalid"}
+    failed = {"status": "failed", "error": "KeyError: 'x'"}
+    config = _sweep(tmp_path, {"0": refused, "1": None, "2": failed})
+    assert refused_jobs(tmp_path) == {"0": "refused: trainer.devices=0 is invalid", "2": "failed: KeyError: 'x'"}
+    _ended(PlanSweepCheck(), config, 3)  # job 1 was planned: the sweep is an answer
+    err = capsys.readouterr().err
+    assert "job 0 refused: trainer.devices=0 is invalid" in err
+    assert "job 2 failed: KeyError: 'x'" in err
+    assert "2 of 3 plan job(s)" in err
+    (tmp_path / "1" / "metrics.json").write_text(json.dumps(failed))
     with pytest.raises(SystemExit) as exit_info:
-        PlanSweepCheck().on_multirun_end(config)
+        _ended(PlanSweepCheck(), config, 3)  # a crash is not a plan either
     assert exit_info.value.code == 2
-    assert "job 0 refused: trainer.devices=0 is invalid" in capsys.readouterr().err
 
 
 def test_a_plan_sweep_without_refusals_ends_normally(tmp_path):

@@ -77,3 +77,10 @@ def test_a_sweep_without_job_records_writes_no_summary(tmp_path):
     (tmp_path / "0").mkdir()  # what plan.py -m leaves (hydra.output_subdir=null)
     _end(tmp_path)
     assert not (tmp_path / "sweep_summary.md").exists()
+
+
+def test_an_early_stopped_job_succeeded_and_a_guard_stopped_one_did_not():
+    early = {"job": "0", "status": "stopped", "stopped_by": "EarlyStopping", "stopped_at_step": 40}
+    guard = {"job": "1", "status": "stopped", "stopped_by": "NonFiniteGuard", "stopped_at_step": 7}
+    assert no_job_succeeded([early]) is False
+    assert no_job_succeeded([guard]) is True

@@ -71,14 +71,15 @@ class RaiseAt(Callback):
 
 
 @pytest.mark.parametrize(
-    ("exc", "saved"),
-    [(KeyboardInterrupt(), True), (RuntimeError("a bug"), False)],
+    ("exc", "raised", "saved"),
+    # Lightning turns a KeyboardInterrupt into sys.exit(1).
+    [(KeyboardInterrupt(), SystemExit, True), (RuntimeError("a bug"), RuntimeError, False)],
     ids=["interrupt", "crash"],
 )
-def test_an_interrupt_saves_where_it_stopped_and_a_crash_does_not(tmp_path, exc, saved):
+def test_an_interrupt_saves_where_it_stopped_and_a_crash_does_not(tmp_path, exc, raised, saved):
     ckpt = ResumableCheckpoint(dirpath=str(tmp_path), monitor=None, save_last=False)
     trainer = tiny_trainer([ckpt, RaiseAt(3, exc)], max_steps=10, enable_checkpointing=True)
-    with pytest.raises(BaseException):  # noqa: PT011 (Lightning turns KeyboardInterrupt into SystemExit)
+    with pytest.raises(raised):
         trainer.fit(tiny_module(), datamodule=tiny_data())
     path = tmp_path / "interrupted-step000003.ckpt"
     assert path.exists() is saved
@@ -101,3 +102,34 @@ def test_the_first_ctrl_c_stops_at_the_step_boundary_and_restores_the_handler(tm
     assert trainer.global_step == 2  # stopped at the end of the step the Ctrl-C came in, not later
     assert (tmp_path / "interrupted-step000002.ckpt").exists()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_short_run_without_a_validation_still_ends_with_last_ckpt(tmp_path):
+    # Lightning's ModelCheckpoint writes last.ckpt at the end of a fit that saved nothing; so must its subclass.
+    ckpt = ResumableCheckpoint(dirpath=str(tmp_path), monitor="val_loss", save_last=True)
+    tiny_trainer([ckpt], max_steps=3).fit(tiny_module(), datamodule=tiny_data())
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
+
+
+def test_under_accumulation_last_is_written_once_per_scheduled_optimizer_step(tmp_path):
+    ckpt = ResumableCheckpoint(dirpath=str(tmp_path), monitor="val_loss", save_last=True, every_n_train_steps=2)
+    steps = []
+    real_save = ckpt._save_checkpoint
+    ckpt._save_checkpoint = lambda trainer, path: (steps.append(trainer.global_step), real_save(trainer, path))
+    tiny_trainer([ckpt], max_steps=4, accumulate_grad_batches=3).fit(tiny_module(), datamodule=tiny_data())
+    assert steps == [2, 4]  # not once per micro-batch of steps 2 and 4
+
+
+def test_a_ctrl_c_under_accumulation_stops_after_a_whole_optimizer_step(tmp_path):
+    class CtrlCMidStep(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 4:  # the second of three micro-batches of optimizer step 2
+                os.kill(os.getpid(), signal.SIGINT)
+
+    ckpt = ResumableCheckpoint(dirpath=str(tmp_path), monitor=None, save_last=False)
+    trainer = tiny_trainer([CtrlCMidStep(), ckpt], max_steps=10, accumulate_grad_batches=3)
+    with pytest.raises(SystemExit):
+        trainer.fit(tiny_module(), datamodule=tiny_data())
+    assert trainer.global_step == 2
+    assert trainer.fit_loop.epoch_loop.batch_progress.current.completed == 6  # 2 whole steps of 3 micro-batches
+    assert (tmp_path / "interrupted-step000002.ckpt").exists()
