@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 
 import lightning_trainopt.callbacks as cbs  # noqa: E402
+from lightning_trainopt.app.multirun import teardown_distributed  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer  # noqa: E402
 
 # On CPU the finder needs a byte budget (it refuses to guess one).
@@ -58,6 +59,7 @@ def main(out: str, names: list[str], strategy: str = "ddp", model: str = "ours")
     summaries = {type(cb).__name__: cb.summary() for cb in callbacks}
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as fh:
         json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size, "summaries": summaries}, fh)
+    teardown_distributed()  # exiting with the gloo group alive can abort while its threads are torn down
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from lightning_trainopt.app.multirun import teardown_distributed  # noqa: E402
 from lightning_trainopt.callbacks import StepTimer  # noqa: E402
 from tests.helpers.tiny_fit import tiny_trainer  # noqa: E402
 
@@ -139,6 +140,9 @@ def main(out: str, setups: list[str]) -> None:
     rank = results[setups[0]]["rank"]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh)
+    # Lightning leaves the gloo group up; exiting with it alive can abort ("terminate called without an active
+    # exception") while gloo's threads are torn down.
+    teardown_distributed()
 
 
 if __name__ == "__main__":
