@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.core.model_shape import GPTConfig
 
 __all__ = [
     "LABEL_KEYS",

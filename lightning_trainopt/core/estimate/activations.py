@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass, replace
 
 from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
+from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.models.config import GPTConfig
 
 __all__ = ["ActivationPolicy", "estimate_transformer_activations"]
 

@@ -11,8 +11,8 @@ from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import MemoryEstimate
 from lightning_trainopt.core.estimate.zero3_gather import gpt_module_trace
 from lightning_trainopt.core.flops import transformer_flops
+from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.models.config import GPTConfig
 
 __all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
 
