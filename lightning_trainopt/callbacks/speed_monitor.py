@@ -27,9 +27,9 @@ from lightning_trainopt.callbacks._common import (
 )
 from lightning_trainopt.core.flops import SeqFlops, fit_seq_flops, transformer_flops
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
+from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.core.throughput import BatchSize, throughput
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.models.config import GPTConfig
 
 __all__ = ["SpeedMonitor"]
 
