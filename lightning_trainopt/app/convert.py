@@ -55,7 +55,7 @@ def convert_zero_to_fp32(
         )
     with tempfile.TemporaryDirectory() as tmp:
         target = lightning_file or os.path.join(tmp, "lightning.ckpt")
-        full: dict[str, Any] = convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, target)
+        full: dict[str, Any] = convert_zero_checkpoint_to_fp32_state_dict(os.fspath(checkpoint_dir), target)
     state = _strip(full["state_dict"])
     shape = (full.get("hyper_parameters") or {}).get("model")
     if isinstance(shape, dict):

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import EarlyStopping, Timer
+from lightning.pytorch.callbacks import Callback, EarlyStopping, Timer
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
@@ -45,6 +45,11 @@ def output_dir(cfg: DictConfig) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
     return Path(cfg.get("output_dir") or os.getcwd())
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's callbacks (Lightning sets ``trainer.callbacks`` in a connector; the class does not declare it)."""
+    return trainer.callbacks  # type: ignore[attr-defined]
 
 
 def _instantiate_named(group: DictConfig | None) -> list[Any]:
@@ -109,12 +114,12 @@ def early_stop(trainer: pl.Trainer) -> dict[str, Any]:
     stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
     if not trainer.should_stop:
         return stopped
-    for cb in trainer.callbacks:
+    for cb in _callbacks(trainer):
         if isinstance(cb, NonFiniteGuard) and cb.stopped_at is not None:
             return {"stopped_by": type(cb).__name__, "stopped_at_step": cb.stopped_at}
         if isinstance(cb, EarlyStopping) and cb.stopped_epoch:
             return {"stopped_by": type(cb).__name__, "stopped_at_step": trainer.global_step}
-    for cb in trainer.callbacks:
+    for cb in _callbacks(trainer):
         remaining = cb.time_remaining() if isinstance(cb, Timer) else None
         if remaining is not None and remaining <= 0:
             return stopped
@@ -242,7 +247,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     status = "interrupted" if interrupted is not None else run_status(oom, stopped["stopped_at_step"] is not None, loss)
     outcome: dict[str, Any] = {"status": status, **stopped}
     if interrupted is not None:
-        saved = [cb.interrupt_path for cb in trainer.callbacks if isinstance(cb, ResumableCheckpoint)]
+        saved = [cb.interrupt_path for cb in _callbacks(trainer) if isinstance(cb, ResumableCheckpoint)]
         outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
     if status == "diverged":
         log.warning("the final train loss is %s: recorded as status=diverged", loss)
@@ -295,7 +300,7 @@ def _collect_metrics(
     world = trainer.world_size
     tokens_this_run = clock.local_tokens * world
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
-    micro = int(getattr(trainer.datamodule, "batch_size", None) or cfg.data.batch_size)
+    micro = int(getattr(getattr(trainer, "datamodule", None), "batch_size", None) or cfg.data.batch_size)
     metrics: dict[str, Any] = {
         **outcome,
         "model": cfg.model.name,
@@ -319,5 +324,5 @@ def _collect_metrics(
         "train_seconds": clock.train_seconds,
         "wall_seconds": wall,
     }
-    metrics.update(callback_summaries(trainer.callbacks))
+    metrics.update(callback_summaries(_callbacks(trainer)))
     return metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -86,7 +86,7 @@ class LitGPT(pl.LightningModule):
         if self.model is not None:
             return
         model = GPT(self.config)
-        self.model = torch.compile(model) if self.compile_model else model
+        self.model = cast(torch.nn.Module, torch.compile(model)) if self.compile_model else model
 
     @property
     def gpt(self) -> GPT:
@@ -94,7 +94,7 @@ class LitGPT(pl.LightningModule):
         if self.model is None:
             self.configure_model()
         assert self.model is not None
-        return getattr(self.model, "_orig_mod", self.model)
+        return cast(GPT, getattr(self.model, "_orig_mod", self.model))
 
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,8 @@ class LitGPT(pl.LightningModule):
         The shape is the parameter's true one: under DeepSpeed ZeRO-3 every partitioned parameter is a 1-D (often
         empty) placeholder whose real shape is ``ds_shape``; judging by ``p.dim()`` there would decay nothing.
         """
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for p in self.parameters():
             if p.requires_grad:
                 (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
@@ -133,7 +134,6 @@ class LitGPT(pl.LightningModule):
             groups[0]["weight_decay"] = weight_decay
         return [g for g in groups if g["params"]]
 
-    @override
     def _fused_kwargs(self) -> dict[str, Any]:
         """The fused kernel for the ``adamw`` preset on CUDA, where it is safe (see ``fused_adam_kwargs``)."""
         from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -153,6 +153,7 @@ class LitGPT(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = self.param_groups()
+        optimizer: torch.optim.Optimizer
         if self.optimizer_factory is None:
             optimizer = torch.optim.AdamW(params, lr=3e-4)
         else:
