@@ -52,6 +52,7 @@ def _plot_hint() -> str:
     """The install line for the plot, with the installed torch pinned (so pip keeps a cluster's CUDA build)."""
     return install_command("plot")
 
+
 _GIB = 2**30
 
 
