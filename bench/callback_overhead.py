@@ -2,7 +2,7 @@
 
 Each run trains ``--steps`` optimizer steps and times every step after ``--warmup`` separately (timestamps at each
 batch start; CUDA events on a GPU, so the harness adds no synchronisation to the loop). The figure of a run is its
-median step time, which is what the issue's target is stated in and which a single preempted step cannot move.
+median step time, which the overhead target (at most +1%) is stated in and which a single preempted step cannot move.
 Runs alternate (none, all, all, none, ...) in one process so drifts hit both arms; printed are the median over all
 timed steps of each arm, the median of the per-round paired ratios and a bootstrap 95% interval for it.
 

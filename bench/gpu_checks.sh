@@ -30,23 +30,23 @@ lightning.__version__, hydra.__version__, deepspeed.__version__)" 2>&1 | tee "$O
     # forensics, allocator breakdown, MFU on GPU, activation offload, finder OOM trials, fp16 fit, planner peak.
     log "pytest -m cuda"
     timeout 270 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda 2>&1 | tee "$OUT/pytest_cuda.txt"
-    # Issue 4: overhead of all monitors vs none, 125M model, bf16 (target <= +1%).
+    # Callback overhead: all monitors vs none, 125M model, bf16 (target <= +1%).
     log "callback overhead"
     timeout 120 "$PY" bench/callback_overhead.py --device cuda --model 125m --steps 40 --warmup 10 --rounds 3 \
         --batch-size 8 --seq-len 1024 --log-every 10 --hook-time 2>&1 | tail -12 | tee "$OUT/callback_overhead_cuda.txt"
-    # Issue 6: predicted peak vs torch.cuda.max_memory_allocated, gpt_1b bf16 with/without checkpointing (table).
+    # Planner accuracy: predicted peak vs torch.cuda.max_memory_allocated, gpt_1b bf16 with/without checkpointing (table).
     log "planner gpu"
     timeout 120 "$PY" bench/planner_accuracy.py gpu 2>&1 | tee "$OUT/planner_gpu.txt"
 fi
 
 if [ "$PART" = "2" ]; then
-    # Issue 5: bytes saved for backward, cuda max allocated and step time per technique (offload included on CUDA).
+    # Memory techniques: bytes saved for backward, cuda max allocated and step time per technique (offload included on CUDA).
     log "memory techniques"
     timeout 180 "$PY" bench/memory_techniques.py --layers 12 --d-model 1024 --heads 16 --seq-len 1024 --batch 8 \
         --steps 5 2>&1 | tee "$OUT/memory_techniques_cuda.txt"
-    # Issue 3: the strategies on one GPU with the ~1B model (world size 1: sharding shows in the offload columns).
+    # Strategies: the strategies on one GPU with the ~1B model (world size 1: sharding shows in the offload columns).
     # --val-every 2: validations at steps 2 and 4 and one after fit; post_fit_val_loss must equal val_losses["4"]
-    # (issue 12: ZeRO-3 once re-initialised the trained weights in a validation after fit).
+    # (ZeRO-3 must not re-initialise the trained weights in a validation after fit).
     log "strategies gpu"
     timeout 300 "$PY" bench/strategies.py --accelerator gpu --devices 1 --model gpt_1b --seq-len 1024 \
         --batch-size 4 --precision bf16-mixed --max-steps 4 --val-every 2 --presets ddp zero2 zero2_offload zero3 \
@@ -54,7 +54,7 @@ if [ "$PART" = "2" ]; then
 fi
 
 if [ "$PART" = "3" ]; then
-    # Issue 12: the ladder on one GPU: measured allocator peak, TFLOP/s, MFU against the H200's bf16/fp32 peaks and
+    # Ladder: the optimization ladder on one GPU: measured allocator peak, TFLOP/s, MFU against the H200's bf16/fp32 peaks and
     # $/1B tokens at the preset price, each beside the planner's prediction (ladder.md, ladder.csv, ladder.png).
     log "ladder gpu"
     timeout 540 "$PY" train.py -m experiment=ladder trainer=gpu trainer.devices=1 hardware=h200 \
