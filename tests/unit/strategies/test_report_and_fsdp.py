@@ -30,12 +30,11 @@ def test_fsdp_shard_modules_must_be_class_names():
         TrainOptFSDPStrategy(shard_modules="Block")
 
 
-def test_apply_fully_shard_policy_on_a_single_process_mesh(monkeypatch):
+def test_apply_fully_shard_policy_on_a_single_process_mesh(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29533")
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    # A file store: no network port, so tests running side by side cannot collide.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     root = torch.nn.Module()
     root.model = GPT(GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16))
