@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
+from lightning_trainopt.core.estimate.strategy_layout import StrategyLayout
 from lightning_trainopt.core.estimate.terms import Term
 from lightning_trainopt.core.estimate.terms import numel_text as _gb
 from lightning_trainopt.exceptions import ConfigError
-
-if TYPE_CHECKING:
-    from lightning_trainopt.core.estimate.model_states import StrategyLayout
 
 __all__ = [
     "NVME_ADAM_BUFFERS",

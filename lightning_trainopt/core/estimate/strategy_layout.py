@@ -1,0 +1,116 @@
+"""What the planner knows about a strategy, as plain data: :class:`StrategyLayout` and the ``auto`` bucket rule.
+
+Its own module so that every estimate module (``model_states``, ``zero_infinity``, ...) imports it one way; the app
+and the strategy builder build it from ``cfg.strategy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+
+__all__ = ["MODEL_SIZED_BUCKET_CAP", "StrategyLayout", "model_sized_bucket"]
+
+_KINDS = ("single", "ddp", "fsdp", "deepspeed")
+_PLACES = ("none", "cpu", "nvme")
+#: Largest DeepSpeed bucket, in elements, of a preset whose bucket sizes are ``auto`` (Lightning's default 2e8
+#: allocates 0.8 GB of fp32 per rank up front).
+MODEL_SIZED_BUCKET_CAP = 50_000_000
+
+
+def model_sized_bucket(n_params: int, cap: int = MODEL_SIZED_BUCKET_CAP) -> int:
+    """Elements of an ``auto`` DeepSpeed bucket: the model's parameter count, at most ``cap``.
+
+    A bucket holds gradients (reduce) or parameters (all-gather) of the model, so one larger than the model is
+    allocated and never filled; a 0.8M-parameter model would otherwise carry two 5e7-element reduce buffers.
+    """
+    return max(1, min(int(cap), int(n_params)))
+
+
+@dataclass(frozen=True)
+class StrategyLayout:
+    """What the planner needs to know about a strategy (plain data, built from ``cfg.strategy``).
+
+    Args:
+        name: preset name for reports (``zero2``, ``ddp``, ...).
+        kind: ``single`` (one device), ``ddp``, ``fsdp`` (FSDP2) or ``deepspeed``.
+        zero_stage: 1, 2 or 3 for DeepSpeed; 0 otherwise.
+        offload_optimizer: ``none``, ``cpu`` or ``nvme`` (optimizer states, master weights, fp32 gradients).
+        offload_params: ``none``, ``cpu`` or ``nvme`` (ZeRO-3 and FSDP only).
+        reduce_bucket_size: DeepSpeed gradient-reduction bucket, in elements (Lightning's default 2e8).
+        param_persistence_threshold: ZeRO-3 keeps parameters smaller than this gathered on every rank (1e5).
+        overlap_comm: DeepSpeed double-buffers its reduce bucket (Lightning's default ``True``).
+        contiguous_gradients: DeepSpeed copies gradients into reduce buckets (Lightning's default ``True``).
+        prefetch_bucket_size: ZeRO-3 ``stage3_prefetch_bucket_size`` (DeepSpeed default 5e7 elements).
+        max_live_parameters: ZeRO-3 ``stage3_max_live_parameters`` (default 1e9).
+        max_reuse_distance: ZeRO-3 ``stage3_max_reuse_distance`` (default 1e9).
+        sub_group_size: ZeRO-3 optimizer sub-group, in partition elements (Lightning's default 1e12: one per param
+            group; DeepSpeed's own 1e9).
+        optimizer_buffer_count: pinned fp32 swap buffers of optimizer NVMe offload (Lightning's default 4).
+        params_buffer_count: pinned swap buffers of parameter NVMe offload (Lightning's default 5).
+        params_buffer_size: elements per parameter swap buffer (Lightning's default 1e8).
+        max_in_cpu: parameter partition elements NVMe parameter offload keeps in CPU memory (default 1e9).
+        buckets_sized_to_model: the preset's bucket size is ``auto``: ``reduce_bucket_size`` is then the cap and
+            the bucket :func:`model_sized_bucket` of the model's parameter count, as the strategy builder runs it.
+
+    Example::
+
+        StrategyLayout(name="zero2", kind="deepspeed", zero_stage=2)
+    """
+
+    name: str = "auto"
+    kind: str = "single"
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    reduce_bucket_size: int = 200_000_000
+    param_persistence_threshold: int = 100_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000_000
+    optimizer_buffer_count: int = 4
+    params_buffer_count: int = 5
+    params_buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    buckets_sized_to_model: bool = False
+
+    def bucket_numel(self, n_params: int) -> int:
+        """Elements of the reduce bucket DeepSpeed allocates for a model of ``n_params`` parameters."""
+        if self.buckets_sized_to_model:
+            return model_sized_bucket(n_params, self.reduce_bucket_size)
+        return self.reduce_bucket_size
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ConfigError("strategy.kind", self.kind, f"use one of {', '.join(_KINDS)}.")
+        if self.kind == "deepspeed" and self.zero_stage not in (1, 2, 3):
+            raise ConfigError("strategy.stage", self.zero_stage, "use ZeRO stage 1, 2 or 3.")
+        for key in ("optimizer_buffer_count", "params_buffer_count", "params_buffer_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"strategy.{key}", getattr(self, key), "use a positive whole number.")
+        for key in ("sub_group_size", "max_in_cpu"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"strategy.{key}", getattr(self, key), "use a whole number >= 0.")
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(self, key) not in _PLACES:
+                raise ConfigError(f"strategy.{key}", getattr(self, key), f"use one of {', '.join(_PLACES)}.")
+        if self.offload_params != "none" and not (self.kind == "fsdp" or self.zero_stage == 3):
+            raise IncompatibleConfigError(
+                {"strategy": self.name, "offload_params": self.offload_params},
+                "parameter offload exists only in ZeRO-3 and FSDP.",
+                "use +strategy=zero3_offload or +strategy=fsdp_offload.",
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_params) and self.zero_stage != 3:
+            raise IncompatibleConfigError(
+                {"strategy": self.name, "offload": "nvme"},
+                "NVMe offload (ZeRO-Infinity) exists only in ZeRO-3.",
+                "use +strategy=zero_infinity.",
+            )
+
+    @property
+    def world_sharded(self) -> bool:
+        return self.kind in ("fsdp", "deepspeed")
