@@ -384,3 +384,40 @@ def test_refuses_a_dataloader_that_ignores_the_batch_attribute() -> None:
         ConfigError, match="chosen micro-batch 2, but the training DataLoader was built with batch_size=8"
     ):
         _fit_tokens(finder, module)
+
+
+@pytest.mark.parametrize(
+    ("stage", "world", "grads", "states"),
+    [
+        # A 64 x 64 fp32 weight: 16,384 bytes each of weights and .grad; AdamW: two fp32 moments + a 4-byte step,
+        # 32,772 bytes. ZeRO shards optimizer states from stage 1 and gradients only from stage 2.
+        (0, 2, 16_384, 32_772),
+        (1, 2, 16_384, 32_772 // 2),
+        (1, 4, 16_384, 32_772 // 4),
+        (2, 4, 16_384 // 4, 32_772 // 4),
+        (3, 4, 16_384 // 4, 32_772 // 4),
+    ],
+)
+def test_zero_stage_and_world_size_shard_states_from_stage_1_and_gradients_from_stage_2(stage, world, grads, states):
+    from types import SimpleNamespace
+
+    layer = torch.nn.Linear(64, 64, bias=False)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(zero_stage=stage), optimizers=[optimizer], world_size=world)
+    got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
+    assert got == 16_384 + grads + states
+
+
+def test_deepspeed_zero1_master_partitions_keep_whole_gradients():
+    # As under ZeRO-2 (test above), the wrapped optimizer steps rank 0's half of the flat fp32 master (2,048
+    # elements): its state and the master copy are already per rank. ZeRO-1 does not shard the gradients: all 4,096
+    # fp32 elements of .grad stay on every rank.
+    from types import SimpleNamespace
+
+    layer = torch.nn.Linear(64, 64, bias=False)
+    partition = torch.zeros(2048, requires_grad=True)
+    optimizer = torch.optim.AdamW([partition], lr=1e-3)
+    engine = SimpleNamespace(basic_optimizer=optimizer)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, zero_stage=1), world_size=2)
+    got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
+    assert got == 4 * 4096 + 4 * 4096 + (8 * 2048 + 4 + 4 * 2048)

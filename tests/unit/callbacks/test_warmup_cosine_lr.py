@@ -180,3 +180,49 @@ def test_both_warmups_are_refused_in_init():
         WarmupCosineLR(warmup_steps=2, warmup_ratio=0.1)
     assert err.value.key == "callbacks.warmup_cosine_lr.warmup_ratio"
     assert "callbacks.warmup_cosine_lr.warmup_steps=2" in str(err.value)
+
+
+class StepsEveryOtherBatch(pl.LightningModule):
+    """Manual optimization that accumulates two batches per step: only odd batches call ``optimizer.step()``.
+
+    Records the learning rate of every batch (``lrs``) and of every step taken (``stepped_lrs``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(4, 1)
+        self.lrs: list[float] = []
+        self.stepped_lrs: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        opt = self.optimizers()
+        lr = opt.param_groups[0]["lr"]
+        self.lrs.append(lr)
+        self.manual_backward(self.layer(x).pow(2).mean() / 2)
+        if batch_idx % 2 == 1:
+            self.stepped_lrs.append(lr)
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_manual_optimization_batches_that_do_not_step_do_not_advance_the_schedule():
+    # 16 batches, a step on every 2nd: 8 schedule steps. Batches 2k and 2k + 1 both run at step k's factor, so the
+    # 8 steps taken see factors 0..7 of the 8-step curve (advancing on every batch would reach the floor by
+    # batch 8 and step the second half of the epoch at lr 0).
+    cb = WarmupCosineLR(warmup_steps=2, total_steps=8)
+    module = StepsEveryOtherBatch()
+    trainer = tiny_trainer([cb], max_steps=-1, max_epochs=1)
+    trainer.fit(module, _loader())
+    assert trainer.global_step == 8
+    factors = [warmup_cosine_factor(k, 2, 8) for k in range(8)]
+    assert module.stepped_lrs == pytest.approx([0.1 * f for f in factors], rel=1e-12)
+    assert module.lrs == pytest.approx([0.1 * factors[b // 2] for b in range(16)], rel=1e-12)
+    # Step 0 of 2 warmup steps runs at half the peak, step 2 at the peak itself.
+    assert module.stepped_lrs[:3] == pytest.approx([0.05, 0.1, 0.1], rel=1e-12)
+    summary = cb.summary()["lr_schedule"]
+    assert (summary["step"], summary["unit"]) == (8, "batches_that_stepped")

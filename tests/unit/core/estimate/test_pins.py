@@ -1,0 +1,278 @@
+"""Pins for planner arithmetic that earlier tests let through (issue #13, test strength).
+
+Each test kills a single realistic mutation that the other unit tests survived: the plan's step time without the
+accumulation, the fit verdicts' boundaries, the search dropping candidates whose fit is unknown, the peak without
+the in-step temporaries, and every factor the other tests only ever set to 1 (accumulation, recompute fraction,
+ZeRO stage, world size). Every expected value is worked out by hand in the comments.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from lightning_trainopt.core.estimate import (
+    OPTIMIZER_STATES,
+    ActivationPolicy,
+    Candidate,
+    MemoryEstimate,
+    PlanEstimate,
+    PlanInputs,
+    SearchSpace,
+    SpeedEstimate,
+    StrategyLayout,
+    Term,
+    estimate_model_states,
+    estimate_plan,
+    rank_candidates,
+    search_plans,
+)
+from lightning_trainopt.core.model_shape import GPTConfig
+
+ADAMW = OPTIMIZER_STATES["adamw"]
+
+# One block, d=8, 2 heads of 4, FFN 16, vocabulary 100. Per block and token the matmuls hold
+# q 8x8 + k, v 2 x 8x8 + o 8x8 + gate, up, down 3 x 8x16 = 640 weights. A micro-batch of 2 sequences of 4 tokens
+# (8 tokens): blocks 2 x 640 x 8 = 10,240, attention 4 x B 2 x H 2 x T 4 x T 4 x hd 4 = 1,024, lm_head
+# 2 x 8 x 100 x 8 = 12,800: forward 24,064, training 3 x 24,064 = 72,192 FLOPs = 9,024 per token.
+ONE_BLOCK = GPTConfig(vocab_size=100, n_layers=1, d_model=8, n_heads=2, ffn_hidden=16, max_seq_len=4)
+# 9,024 FLOP/token at 50% of 18.048 MFLOP/s: exactly 1,000 tokens/s per device.
+PEAK, MFU = 18.048e6, 0.5
+
+
+def _speed_plan(accumulate: int, devices: int, activations: ActivationPolicy | None = None) -> PlanEstimate:
+    inputs = PlanInputs(
+        ONE_BLOCK,
+        micro_batch=2,
+        seq_len=4,
+        accumulate=accumulate,
+        devices=devices,
+        activations=activations or ActivationPolicy(),
+    )
+    return estimate_plan(inputs, None, PEAK, 3.6, mfu=MFU, target_tokens=1e9)
+
+
+# ---------------------------------------------------------------- speed: accumulation and world size
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_plan_step_time_covers_every_micro_batch_of_the_accumulation(accumulate):
+    e = _speed_plan(accumulate, devices=8)
+    assert e.train_flops_per_token == 9024
+    assert e.speed.tokens_per_sec_per_device == pytest.approx(1000.0)
+    # An optimizer step runs micro-batch 2 x 4 tokens x accumulate on each device: 8 tokens (8 ms) without
+    # accumulation, 32 tokens (32 ms) with 4.
+    assert e.speed.step_time_s == pytest.approx(8 * accumulate / 1000.0)
+    # Time and dollars per token do not depend on how the global batch is split: 8 devices x 1,000 tokens/s do 1e9
+    # tokens in 125,000 s = 34.72 h; 8 devices x $3.6/h x 125,000 s / 3600 = $1,000.
+    assert e.speed.hours_to_target == pytest.approx(125_000 / 3600)
+    assert e.speed.usd_to_target == pytest.approx(1000.0)
+    assert e.speed.usd_per_1b_tokens == pytest.approx(1000.0)
+
+
+def test_plan_recomputes_the_checkpointed_blocks_forward():
+    # Checkpointing the one block replays it but its FFN down-projection (2 x 16 x 8 x 8 tokens = 2,048):
+    # blocks 10,240 + attention 1,024 - 2,048 = 9,216 FLOPs more: (72,192 + 9,216) / 8 tokens = 10,176 per token.
+    e = _speed_plan(1, devices=1, activations=ActivationPolicy(checkpoint_every=1))
+    assert e.train_flops_per_token == 10_176
+    assert e.speed.tokens_per_sec_per_device == pytest.approx(PEAK * MFU / 10_176)
+
+
+def test_plan_recompute_fraction_rounds_the_checkpointed_blocks_up():
+    # Three blocks, one sequence of 4 tokens: per block 2 x 640 x 4 + attention 4 x 2 x 4 x 4 x 4 = 5,632 (16,896
+    # for three), lm_head 2 x 8 x 100 x 4 = 6,400; training 3 x 23,296 = 69,888. Every 2nd block checkpoints blocks
+    # 0 and 2: 2 of 3, each replaying 5,632 - 2 x 16 x 8 x 4 = 4,608: 9,216 more, (69,888 + 9,216) / 4 = 19,776.
+    cfg = GPTConfig(vocab_size=100, n_layers=3, d_model=8, n_heads=2, ffn_hidden=16, max_seq_len=4)
+    inputs = PlanInputs(cfg, micro_batch=1, seq_len=4, activations=ActivationPolicy(checkpoint_every=2))
+    e = estimate_plan(inputs, None, PEAK, None)
+    assert e.train_flops_per_token == 19_776
+
+
+# ---------------------------------------------------------------- the fit verdicts at their boundaries
+
+
+def _verdict(
+    peak: int,
+    device_memory: int | None,
+    headroom: int = 0,
+    cpu: int = 0,
+    host: int | None = None,
+    headroom_fraction: float = 0.0,
+    devices: int = 1,
+    device_is_host: bool = False,
+) -> PlanEstimate:
+    terms = [Term("params", "device", "weights", peak), Term("optimizer_states", "cpu", "offloaded", cpu)]
+    speed = SpeedEstimate(None, None, None, None, None, "none")
+    inputs = PlanInputs(ONE_BLOCK, devices=devices)
+    return PlanEstimate(
+        inputs,
+        MemoryEstimate.of(terms),
+        speed,
+        device_memory,
+        0.0,
+        headroom,
+        host,
+        headroom_fraction,
+        device_is_host,
+    )
+
+
+def test_a_peak_equal_to_the_usable_device_memory_fits():
+    # 1,100 bytes less 100 of headroom leave exactly the 1,000-byte peak.
+    exact = _verdict(1000, 1100, headroom=100)
+    assert (exact.device_fits, exact.fits, exact.margin_bytes) == (True, True, 0)
+    over = _verdict(1000, 1099, headroom=100)
+    assert (over.device_fits, over.fits, over.margin_bytes) == (False, False, -1)
+    unknown = _verdict(1000, None)
+    assert (unknown.device_fits, unknown.fits, unknown.margin_bytes) == (None, None, None)
+
+
+def test_offloaded_bytes_equal_to_the_usable_host_memory_fit():
+    # 300 offloaded bytes per rank x 4 devices per node = 1,200; a 1,600-byte node keeps a quarter (400) free.
+    exact = _verdict(1000, 2000, cpu=300, devices=4, host=1600, headroom_fraction=0.25)
+    assert exact.host_bytes_per_node == 1200
+    assert exact.host_usable_bytes == 1200
+    assert (exact.host_fits, exact.fits) == (True, True)
+    # 1,596 - int(0.25 x 1,596 = 399) = 1,197 usable.
+    short = _verdict(1000, 2000, cpu=300, devices=4, host=1596, headroom_fraction=0.25)
+    assert short.host_usable_bytes == 1197
+    assert (short.host_fits, short.device_fits, short.fits) == (False, True, False)
+    # RAM unknown: no host verdict, and the device verdict stands (unknown device: unknown fit).
+    assert _verdict(1000, 2000, cpu=300, host=None).host_fits is None
+    assert _verdict(1000, None, cpu=300, host=None).fits is None
+
+
+def test_a_cpu_device_counts_its_peak_against_the_host():
+    # Per rank: 300 offloaded + the 1,000-byte device peak (the device is the host) = 1,300; x 4 ranks = 5,200.
+    e = _verdict(1000, None, cpu=300, devices=4, host=5200, device_is_host=True)
+    assert e.host_bytes_per_node == 5200
+    assert e.host_fits is True
+    assert _verdict(1000, None, cpu=300, devices=4, host=5199, device_is_host=True).host_fits is False
+    # Nothing offloaded and the device is not the host: no RAM is needed.
+    assert _verdict(1000, 2000, host=1).host_fits is True
+
+
+# ---------------------------------------------------------------- MemoryEstimate.peak and resident bytes
+
+
+def test_peak_is_what_lives_all_step_plus_the_larger_phase_with_its_in_step_temporaries():
+    terms = (
+        Term("params", "device", "weights", 100),
+        Term("activations", "device", "saved", 50, phase="backward"),
+        Term("grads", "device", ".grad", 30, phase="step"),
+        Term("other", "device", "foreach temporary", 40, phase="in_step"),
+        Term("optimizer_states", "cpu", "offloaded", 1000),
+        Term("other", "cpu", "pinned staging", 7, phase="in_step"),
+    )
+    est = MemoryEstimate(terms)
+    # 100 + max(backward 50, step 30 + in_step 40 = 70) = 170; the CPU terms are the CPU's: 1,000 + 7.
+    assert est.peak() == 170
+    assert est.peak("cpu") == 1007
+    # A larger backward phase wins: 100 + max(50 + 60, 70) = 210.
+    more = est + MemoryEstimate((Term("activations", "device", "more saved", 60, phase="backward"),))
+    assert more.peak() == 210
+    # Resident (a snapshot just before optimizer.step()): no backward-phase and no in-step bytes: 100 + 30.
+    assert est.bytes(resident_only=True) == 130
+    assert est.bytes() == 220
+    assert est.per_device() == {
+        "params": 100,
+        "grads": 30,
+        "optimizer_states": 0,
+        "activations": 50,
+        "other": 40,
+        "total": 220,
+    }
+    assert est.by_location("optimizer_states") == {"device": 0, "cpu": 1000, "nvme": 0}
+
+
+# ---------------------------------------------------------------- the search keeps candidates of unknown fit
+
+MODEL = GPTConfig(name="m", vocab_size=256, n_layers=2, d_model=64, n_heads=2, ffn_hidden=128, max_seq_len=64)
+SMALL_SPACE = SearchSpace(
+    precisions={"bf16": "bf16-mixed"},
+    strategies={"zero2": StrategyLayout("zero2", "deepspeed", 2)},
+    activations={"none": ActivationPolicy()},
+    optimizers={"adamw": ADAMW},
+    micro_batches=(1, 2, 4, 8, 16),
+)
+
+
+def test_search_keeps_every_candidate_when_the_device_memory_is_unknown():
+    base = PlanInputs(MODEL, micro_batch=2, accumulate=4, seq_len=64, devices=8)
+    est = partial(estimate_plan, device_memory_bytes=None, peak_flops=1e12, price_per_device_hour=None)
+    ranked, n = search_plans(base, SMALL_SPACE, est)
+    # 2 x 4 = 8 sequences per device: micro-batches 1, 2, 4, 8 divide it (16 does not), all of unknown fit.
+    assert n == 4
+    assert len(ranked) == 4
+    assert {c.estimate.fits for c in ranked} == {None}
+    # The global batch of 2 x 4 x 8 devices = 64 sequences is held at world size 8.
+    pairs = {(c.estimate.inputs.micro_batch, c.estimate.inputs.accumulate) for c in ranked}
+    assert pairs == {(1, 8), (2, 4), (4, 2), (8, 1)}
+
+
+def test_rank_candidates_drops_only_what_is_known_not_to_fit():
+    def candidate(name: str, memory: int | None, usd: float) -> Candidate:
+        e = _verdict(1000, memory)
+        speed = SpeedEstimate(1.0, 1.0, usd, 1.0, 1.0, "test")
+        return Candidate({"strategy": name}, PlanEstimate(e.inputs, e.memory, speed, memory, 0.0))
+
+    ranked = rank_candidates([candidate("zero2", 999, 1.0), candidate("zero3", None, 3.0), candidate("ddp", 1000, 2.0)])
+    # 999 bytes do not hold the 1,000-byte peak; unknown memory stays, ranked by dollars.
+    assert [c.choices["strategy"] for c in ranked] == ["ddp", "zero3"]
+
+
+# ---------------------------------------------------------------- model states at accumulation > 1 and world size 8
+
+
+@pytest.mark.parametrize("kind", ["single", "ddp", "fsdp"])
+def test_accumulated_gradients_live_through_the_next_forward(kind):
+    # 1,000 fp32 parameters on 1 rank: weights 4,000, AdamW 8,000 + 4 (step), .grad 4,000 (DDP: + 4,000 buckets).
+    # With a 10,000-byte backward phase (activations) the gradients of a step without accumulation are freed before
+    # the next forward (phase step: max(10,000, 4,000)); with accumulation they live through it (phase all).
+    acts = MemoryEstimate((Term("activations", "device", "saved", 10_000, phase="backward"),))
+    layout = StrategyLayout(kind=kind)
+    buckets = 4000 if kind == "ddp" else 0
+    one = estimate_model_states([[1000]], "32-true", layout, ADAMW, 1, accumulate=1)
+    four = estimate_model_states([[1000]], "32-true", layout, ADAMW, 1, accumulate=4)
+    assert [t.phase for t in one.terms if t.category == "grads"] == ["step"]
+    assert [t.phase for t in four.terms if t.category == "grads"] == ["all"]
+    assert (one + acts).peak() == 4000 + 8004 + buckets + 10_000
+    assert (four + acts).peak() == 4000 + 8004 + buckets + 4000 + 10_000
+
+
+def test_zero2_at_world_size_8_counts_straddling_params_whole():
+    # Ten 1,000-element params, flat 10,000 (a multiple of 2 x 8), partitions of 1,250. Every rank's partition
+    # touches two params (e.g. rank 1's [1,250, 2,500) holds the straddling 2nd and the 3rd), 2,000 elements whole.
+    layout = StrategyLayout(kind="deepspeed", zero_stage=2)
+    est = estimate_model_states([[1000] * 10], "bf16-mixed", layout, ADAMW, 8)
+    assert est.bytes("params") == 2 * 10_000  # flat bf16 weights, whole on every rank
+    assert est.bytes("grads", resident_only=True) == 2 * 2000  # bf16 gradient partition
+    assert est.bytes("grads") == 2 * 2000 + 4 * 1250  # + the fp32 gradient partition inside step()
+    assert est.bytes("optimizer_states") == 4 * 1250 + 8 * 1250 + 4  # fp32 master + m + v + step
+    # ZeRO-1 with accumulation also keeps the full bf16 .grad between boundaries; ZeRO-2 does not.
+    zero1 = estimate_model_states(
+        [[1000] * 10], "bf16-mixed", StrategyLayout(kind="deepspeed", zero_stage=1), ADAMW, 8, accumulate=4
+    )
+    assert zero1.bytes("grads") == 2 * 2000 + 4 * 1250 + 2 * 10_000
+    zero2 = estimate_model_states([[1000] * 10], "bf16-mixed", layout, ADAMW, 8, accumulate=4)
+    assert zero2.bytes("grads") == est.bytes("grads")
+
+
+def test_zero3_at_world_size_8_partitions_each_param():
+    # ceil(1,000 / 8) + ceil(10 / 8) = 125 + 2 = 127 elements per rank; the 10-element param (< 100) also stays whole.
+    layout = StrategyLayout(kind="deepspeed", zero_stage=3, param_persistence_threshold=100)
+    est = estimate_model_states([[1000, 10]], "bf16-mixed", layout, ADAMW, 8)
+    assert est.bytes("params") == 2 * 127 + 2 * 10
+    assert est.bytes("grads") == 2 * 127 + 4 * 127  # bf16 partition + fp32 partition inside step()
+    assert est.bytes("optimizer_states") == 4 * 127 + 8 * 127 + 4
+    other = {t.label: t.nbytes for t in est.terms if t.category == "other"}
+    assert other["full gradient of one param before its reduce"] == 2 * 1000
+
+
+@pytest.mark.parametrize(("kind", "expected"), [("fsdp", 4 * 125 + 4 * 125 + 8 * 125 + 4), ("ddp", 16_004 + 4000)])
+def test_fsdp_shards_by_8_and_ddp_replicates_at_world_size_8(kind, expected):
+    # bf16-mixed keeps fp32 weights and grads. FSDP2 at world 8: 1,000 / 8 = 125 elements of weights, grads and
+    # two moments (+ step); DDP: everything whole plus its 4,000-byte gradient buckets.
+    est = estimate_model_states([[1000]], "bf16-mixed", StrategyLayout(kind=kind), ADAMW, 8)
+    assert est.per_device()["total"] == expected
