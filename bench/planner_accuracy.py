@@ -19,14 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_trainopt.core.estimate import (  # noqa: E402
-    OPTIMIZER_STATES,
-    ActivationPolicy,
-    StrategyLayout,
-    estimate_model_states,
-    estimate_transformer_activations,
-    gpt_param_groups,
-)
+from lightning_trainopt.core.estimate import ActivationPolicy, estimate_transformer_activations  # noqa: E402
 from lightning_trainopt.core.saved_tensors import SavedTensorsCounter, transform_saved_tensors  # noqa: E402
 from lightning_trainopt.models import GPT, GPTConfig  # noqa: E402
 
@@ -108,29 +101,6 @@ def activation_rows(quick: bool = False) -> list[dict[str, Any]]:
                         }
                     )
     return rows
-
-
-# ---------------------------------------------------------------- model states on 2 CPU processes
-
-
-def predict_states(strategy: str, precision: str, world: int) -> dict[str, int]:
-    layout = _layout(strategy)
-    est = estimate_model_states(gpt_param_groups(STATES_MODEL), precision, layout, OPTIMIZER_STATES["adamw"], world)
-    return {c: est.bytes(c) + est.bytes(c, "cpu") for c in ("params", "grads", "optimizer_states")}
-
-
-def _layout(strategy: str) -> StrategyLayout:
-    from omegaconf import OmegaConf
-
-    from lightning_trainopt.app.plan_inputs import strategy_layout
-
-    node = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "strategy" / f"{strategy}.yaml")
-    return strategy_layout(node, 2)
-
-
-STATES_MODEL = GPTConfig(
-    name="gpt_125m_narrow", vocab_size=256, n_layers=4, d_model=256, n_heads=4, ffn_hidden=704, max_seq_len=256
-)
 
 
 def main() -> None:

@@ -47,14 +47,6 @@ class PrecisionSpec:
         return self.trainer_precision.startswith("16")
 
     @property
-    def is_bf16(self) -> bool:
-        return self.trainer_precision.startswith("bf16")
-
-    @property
-    def is_mixed(self) -> bool:
-        return self.trainer_precision.endswith("-mixed")
-
-    @property
     def compute_bytes(self) -> int:
         """Bytes per element of the compute dtype (2 for fp16/bf16, 4 for fp32)."""
         return 4 if self.trainer_precision == "32-true" else 2

@@ -40,11 +40,6 @@ class OptimizerStateReport:
     def bytes_per_param(self) -> float:
         return self.state_bytes / self.n_params if self.n_params else 0.0
 
-    @property
-    def quantised_share(self) -> float:
-        """Share of parameter elements whose state is quantised."""
-        return self.quantised_params / self.n_params if self.n_params else 0.0
-
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe dict (for metrics.json)."""
         return {
