@@ -10,7 +10,7 @@ from lightning_trainopt.app.validate import validate_config
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 
 # Only the model and the data are made small: trainer.max_steps and the scheduler's warmup stay the preset's and the
-# defaults' (audit: the preset's 10 steps against the default 10-step warmup made every run refuse to start).
+# defaults', so a preset whose run is too short for the default warmup is caught (every run would refuse to start).
 _KEPT = ("trainer.max_steps", "scheduler.warmup_steps", "trainer.val_check_interval", "logger")
 SMALL = (*(o for o in TINY if not o.startswith(_KEPT)), "data.max_bytes=300000")
 

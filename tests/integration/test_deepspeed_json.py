@@ -1,4 +1,4 @@
-"""A user's own DeepSpeed JSON, as the issue writes it, through the real app on 2 CPU processes."""
+"""A user's own DeepSpeed JSON, as written for DeepSpeed itself, through the real app on 2 CPU processes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lightning_trainopt.exceptions import ConfigError
 from tests.helpers.compose import REPO_ROOT, compose_config
 from tests.helpers.runif import RunIf
 
-# Exactly the JSON of issue #3.
-ISSUE_JSON = (
+# A typical user JSON: ZeRO-3, its own optimizer, optimizer offload, a global batch instead of an accumulation.
+USER_JSON = (
     '{"train_batch_size": 1024, "optimizer": {"type": "AdamW", "params": {"lr": 6e-5}}, '
     '"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}'
 )
@@ -38,9 +38,9 @@ COMMON = (
 
 @pytest.mark.slow
 @RunIf(deepspeed=True)
-def test_issue_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_path):
+def test_user_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_path):
     ds_json = tmp_path / "ds_config.json"
-    ds_json.write_text(ISSUE_JSON)
+    ds_json.write_text(USER_JSON)
     run_dir = tmp_path / "run"
     # 2 optimizer steps: the per-rank memory breakdown is taken at the second one (Adam's states exist by then).
     proc = subprocess.run(
@@ -59,7 +59,7 @@ def test_issue_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert ds_json.read_text() == ISSUE_JSON  # used as is, never rewritten
+    assert ds_json.read_text() == USER_JSON  # used as is, never rewritten
     m = json.loads((run_dir / "metrics.json").read_text())
 
     assert m["strategy"] == "deepspeed_json"
@@ -91,9 +91,9 @@ def test_issue_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_
     ("json_text", "extra", "key", "fix"),
     [
         # 1000 is not a multiple of micro-batch 64 x 2 processes.
-        (ISSUE_JSON.replace("1024", "1000"), (), "strategy.config.train_batch_size=1000", "x world size (2) = 128"),
+        (USER_JSON.replace("1024", "1000"), (), "strategy.config.train_batch_size=1000", "x world size (2) = 128"),
         # 1024 needs 8 accumulation steps; an explicit, different value is a contradiction, not something to pick.
-        (ISSUE_JSON, ("trainer.accumulate_grad_batches=4",), "trainer.accumulate_grad_batches=4", "=8 or remove"),
+        (USER_JSON, ("trainer.accumulate_grad_batches=4",), "trainer.accumulate_grad_batches=4", "=8 or remove"),
     ],
     ids=["not_a_multiple", "conflicting_accumulation"],
 )

@@ -49,7 +49,7 @@ def test_unknown_tokens_leave_out_per_token_figures_and_the_token_projection():
 
 
 def test_earlier_runs_keep_their_device_hours_and_the_projection_uses_the_current_run_only():
-    # Audit Q e13: 1 h on 2 devices (2 device-hours, 50 steps, 2000 tokens), resumed on 4 devices for 30 min (10 steps,
+    # 1 h on 2 devices (2 device-hours, 50 steps, 2000 tokens), resumed on 4 devices for 30 min (10 steps,
     # 1000 tokens): 2 + 0.5 x 4 = 4 device-hours. The current run does 10 steps in 1800 s: 40 steps left take 7200 s
     # on 4 devices = 8 device-hours more.
     r = cost_report(1800, 4, 10.0, tokens=3000, steps_done=60, steps_total=100, prior_device_hours=2.0, prior_steps=50)

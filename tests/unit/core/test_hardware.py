@@ -21,7 +21,7 @@ def test_every_preset_has_sources_and_dense_peaks():
             assert spec.peak("bf16") >= spec.peak("fp32"), key
 
 
-def test_default_prices_of_the_issue():
+def test_default_prices_per_device_hour():
     assert hardware_spec("a100_40gb").price_per_device_hour == 3.5
     assert hardware_spec("a100_80gb").price_per_device_hour == 4.8
     assert hardware_spec("h100").price_per_device_hour == 8.2

@@ -109,7 +109,7 @@ def test_fetch_inside_training_step_is_taken_out_of_forward():
 
 
 def test_time_between_steps_is_overhead_not_input():
-    # Audit t16: a checkpoint written between steps. 60% of the time in no phase, 2% fetching.
+    # A checkpoint written between steps: 60% of the time in no phase, 2% fetching.
     split = _split(data_wait=0.2, forward=1.5, backward=2.0, optimizer=0.3)
     v = step_verdict(split, num_workers=0)
     assert v.kind == "overhead-bound"
