@@ -160,7 +160,7 @@ def _hour_on_two_devices(clock: Clock) -> dict:
 
 
 def test_a_resume_on_another_world_size_bills_earlier_time_at_its_own_world_size():
-    # Audit Q e13: 1 h on 2 devices at $10/device-hour is $20 and 2 x 1000 tokens; resumed on 4 devices it reported
+    # 1 h on 2 devices at $10/device-hour is $20 and 2 x 1000 tokens; resumed on 4 devices it must not report
     # $40 and 4000 tokens before training a step (the restored seconds and per-rank tokens x the new world size).
     clock = Clock()
     monitor = CostMonitor(price_per_device_hour=10.0, clock=clock)
@@ -207,7 +207,7 @@ def test_an_older_checkpoint_state_is_billed_at_the_resumed_world_size_with_a_wa
 
 
 def test_a_second_fit_with_the_same_callback_starts_afresh():
-    # Audit Q e6: two 4-step fits with the same callback reported 512 tokens and $8 (projection $8) for the second.
+    # Two 4-step fits with the same callback: the second must not report both fits' 512 tokens and $8.
     clock = StepClock(dt=1.0)
     monitor = CostMonitor(price_per_device_hour=3600.0, clock=clock)
     tiny_trainer([clock, monitor], max_steps=2).fit(tiny_module(), tiny_data())

@@ -184,7 +184,7 @@ def test_fp16_persistent_overflows_stop_with_the_loss_scale_state():
 
 
 def test_fp16_non_finite_loss_stops_at_once_under_stop():
-    # Audit t10: the loss itself is NaN under fp16; `stop` used to treat it as an overflow and train on.
+    # The loss itself is NaN under fp16: `stop` must not treat it as an overflow and train on.
     guard = NonFiniteGuard(policy="stop")
     with pytest.warns(UserWarning, match=r"stopped training: non-finite loss \(fp16 loss scale 1024\) at step 3"):
         trainer = _fp16_fit(guard, Fp16Module(nan_loss_steps={3}))
@@ -196,7 +196,7 @@ def test_fp16_non_finite_loss_stops_at_once_under_stop():
 
 
 def test_summary_is_strict_json_after_a_non_finite_last_step():
-    # Audit t9: a NaN gradient norm at the last step went into metrics.json as a bare NaN.
+    # A NaN gradient norm at the last step must not reach metrics.json as a bare NaN.
     guard = NonFiniteGuard(policy="skip")
     with pytest.warns(UserWarning, match="skipping non-finite loss at step 3"):
         tiny_trainer([guard], max_steps=4).fit(NaNAt({3}), tiny_data())

@@ -202,7 +202,7 @@ def _ticker_fit(item_cost: float, batch_end_cost: float):
 
 
 def test_time_between_steps_is_other_and_only_the_fetch_is_data_wait():
-    # Audit t16: a checkpoint saved between steps was called input-bound. Per step: 9 marks one tick apart (fetch_start,
+    # A checkpoint saved between steps is not input-bound. Per step: 9 marks one tick apart (fetch_start,
     # fetch_end, h2d_start, h2d_end, batch_start, before_backward, after_backward, before_optimizer_step, batch_end)
     # plus 10 s in a callback after batch_end (fast data: reading items costs nothing) -> 19 s: fetch 1, copy 1,
     # forward 1, backward 1, optimizer 2, and 13 in no phase (11 after batch_end, 1 after the fetch, 1 after the copy).
@@ -241,7 +241,7 @@ def test_fetch_hooks_are_removed_after_fit_and_missing_hooks_fall_back_to_the_ga
 
 
 class BigIdleParameter(pl.LightningModule):
-    """Audit t16's module: a tiny linear layer plus a 40 MB frozen parameter that every checkpoint writes."""
+    """A tiny linear layer plus a 40 MB frozen parameter that every checkpoint writes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -257,8 +257,8 @@ class BigIdleParameter(pl.LightningModule):
 
 
 def test_checkpointing_between_steps_is_not_input_bound(tmp_path):
-    # Audit t16 as it was reported: in-memory data, a 40 MB checkpoint every 5 steps. Before the fetch was timed the
-    # save landed in data_wait (0.68-0.70 measured) and the verdict said "raise data.num_workers".
+    # In-memory data, a 40 MB checkpoint every 5 steps. Without timing the fetch the save lands in data_wait
+    # (0.68-0.70 measured) and the verdict says "raise data.num_workers".
     data = TensorDataset(torch.randn(4096, 32), torch.randint(0, 2, (4096,)))
     timer = StepTimer()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
@@ -316,7 +316,7 @@ def _linear_fit(timer: StepTimer, clock: Ticker, max_steps: int, **fit_kwargs: A
 
 
 def test_a_second_fit_with_the_same_callback_starts_afresh():
-    # Audit Q e6: a second 4-step fit with the same StepTimer reported 6 steps (3 + 3). Each step here is 9 marks
+    # A second 4-step fit with the same StepTimer must not report 6 steps (3 + 3). Each step here is 9 marks
     # one tick apart (see test_time_between_steps_is_other_and_only_the_fetch_is_data_wait): 9 s.
     clock = Ticker()
     timer = StepTimer(log_every_n_steps=1, warmup_steps=1, clock=clock)

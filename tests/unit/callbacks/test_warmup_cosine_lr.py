@@ -69,7 +69,7 @@ class OneOptimizer(pl.LightningModule):
 
 
 def test_each_fit_starts_from_its_own_optimizer_lr():
-    # Audit t8: the same callback in a second fit kept the first fit's peak (1e-3) although the module asked for 1e-2.
+    # The same callback in a second fit must not keep the first fit's peak (1e-3): the module asks for 1e-2.
     cb = WarmupCosineLR(warmup_steps=2, min_lr_ratio=0.1)
     first, second = LrRecorder(), LrRecorder()
     tiny_trainer([cb, first], max_steps=6).fit(OneOptimizer(lr=1e-3), _loader())
