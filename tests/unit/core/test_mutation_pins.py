@@ -9,11 +9,14 @@ hand in the comments.
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any
 
 import pytest
+import torch
 
 from lightning_trainopt.core.cost import cost_report
 from lightning_trainopt.core.flops import SeqFlops, transformer_flops
+from lightning_trainopt.core.memory_accounting import memory_breakdown
 from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.core.step_time import StepSplit, split_marks, step_verdict
 from lightning_trainopt.core.throughput import throughput
@@ -152,3 +155,55 @@ def test_a_share_equal_to_a_threshold_does_not_cross_it():
 def test_worker_advice_is_the_cpu_count_between_2_and_8(cpu_count, target):
     v = step_verdict(_split(data_wait=5.0, forward=5.0), num_workers=0, cpu_count=cpu_count)
     assert f"raise data.num_workers from 0 to {target}" in v.remedies
+
+
+# ---------------------------------------------------------------- memory accounting of ZeRO partitions (world > 1)
+
+
+class _ZeroOptimizer:
+    """The attributes ``memory_breakdown`` reads from a DeepSpeed ZeRO optimizer, without DeepSpeed."""
+
+    def __init__(self, inner: torch.optim.Optimizer, **parts: Any) -> None:
+        self.optimizer = inner
+        self.state: dict[Any, Any] = {}  # the wrapper's own state is not where the moments live
+        for name, value in parts.items():
+            setattr(self, name, value)
+
+
+def test_zero2_rank_counts_its_fp32_master_partition_and_gradient_partitions():
+    # World 2: a bf16 64 x 64 weight (8,192 bytes) whole on every rank; this rank's fp32 master half (2,048 elements,
+    # 8,192 bytes) is optimizer state with AdamW's two fp32 moments (16,384) and step (4); its fp32 .grad (8,192) and
+    # the bf16 grads_in_partition (4,096) are gradients.
+    layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    master = torch.zeros(2048, requires_grad=True)
+    inner = torch.optim.AdamW([master], lr=1e-3)
+    master.grad = torch.ones(2048)
+    inner.step()
+    zero = _ZeroOptimizer(
+        inner, single_partition_of_fp32_groups=[master], grads_in_partition=torch.zeros(2048, dtype=torch.bfloat16)
+    )
+    mb = memory_breakdown(layer, [zero], compute_device="cpu")
+    assert (mb.params.device, mb.grads.device, mb.optimizer_states.device) == (8192, 8192 + 4096, 8192 + 16_384 + 4)
+    # Under optimizer offload the same bytes are the CPU's; the weights stay on the device.
+    off = memory_breakdown(layer, [zero], compute_device="cpu", offload={"optimizer_states": "cpu"})
+    assert (off.params.device, off.grads.cpu, off.optimizer_states.cpu) == (8192, 12_288, 24_580)
+    assert off.grads.device == off.optimizer_states.device == 0
+
+
+def test_zero3_rank_counts_its_parameter_partitions_and_the_gathered_small_ones():
+    # World 4: the 64 x 64 weight is released (an empty tensor) and this rank holds 1,024 bf16 elements of it; the
+    # 64-element bias is below the persistence threshold, so it stays gathered beside its 16-element partition.
+    layer = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
+    layer.weight.ds_tensor = torch.zeros(1024, dtype=torch.bfloat16)
+    layer.bias.ds_tensor = torch.zeros(16, dtype=torch.bfloat16)
+    masters = torch.zeros(1040, requires_grad=True)  # fp32_partitioned_groups_flat: 1,024 + 16 elements
+    zero = _ZeroOptimizer(
+        torch.optim.SGD([masters], lr=0.1),
+        fp32_partitioned_groups_flat=[masters],
+        grad_partitions_flat_buffer=torch.zeros(1040, dtype=torch.bfloat16),
+    )
+    mb = memory_breakdown(layer, [zero], compute_device="cpu")
+    assert mb.params.device == 2 * 1024 + 2 * 16 + 2 * 64
+    assert mb.grads.device == 2 * 1040
+    assert mb.optimizer_states.device == 4 * 1040  # SGD without momentum keeps no state of its own

@@ -276,3 +276,14 @@ def test_fsdp_shards_by_8_and_ddp_replicates_at_world_size_8(kind, expected):
     # two moments (+ step); DDP: everything whole plus its 4,000-byte gradient buckets.
     est = estimate_model_states([[1000]], "bf16-mixed", StrategyLayout(kind=kind), ADAMW, 8)
     assert est.per_device()["total"] == expected
+
+
+def test_zero3_sub_groups_are_cut_by_partition_size_at_world_size_4():
+    # Three 400-element params partition to 100 elements each per rank (300 in all). A sub-group of 150 takes
+    # params until their partitions reach it: 100, then 200 >= 150 closes the first sub-group; the last param is
+    # the second. A 300-element sub-group holds the whole group; the 8-element group (2 per rank) is always whole.
+    from lightning_trainopt.core.estimate.zero_infinity import zero3_sub_groups
+
+    assert zero3_sub_groups([[400, 400, 400], [8]], 4, 150) == [[[400, 400], [400]], [[8]]]
+    assert zero3_sub_groups([[400, 400, 400], [8]], 4, 300) == [[[400, 400, 400]], [[8]]]
+    assert zero3_sub_groups([[400, 400, 400]], 1, 150) == [[[400], [400], [400]]]
