@@ -51,6 +51,9 @@ class ActivationPolicy:
         compress_block: elements per fp32 scale of the compression.
         compress_min_numel: smaller tensors are stored uncompressed.
         name: preset name for reports.
+        offload_pin_memory: offloaded tensors go to pinned memory (the ``offload`` preset's ``pin_memory``), whose
+            allocator rounds each block up to a power of two.
+        offload_min_numel: storages below this many elements stay on the device (the preset's ``min_numel``).
     """
 
     checkpoint_every: int = 0
@@ -59,10 +62,16 @@ class ActivationPolicy:
     compress_block: int = 64
     compress_min_numel: int = 1024
     name: str = "none"
+    offload_pin_memory: bool = True
+    offload_min_numel: int = 1024
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 0:
             raise ConfigError("activations.every_k", self.checkpoint_every, "use 0 (none), 1 (all) or k >= 2.")
+        if self.offload_min_numel < 1:
+            raise ConfigError(
+                "activations.activation_offload.min_numel", self.offload_min_numel, "use a positive integer, e.g. 1024."
+            )
         if self.compress_bits not in (None, 8):
             raise ConfigError("activations.bits", self.compress_bits, "the planner models int8 compression (bits=8).")
 
@@ -73,6 +82,22 @@ def _compressed(nbytes_per_elem: int, numel: int, policy: ActivationPolicy) -> i
         return nbytes_per_elem * numel
     blocks = math.ceil(numel / policy.compress_block)
     return blocks * policy.compress_block + 4 * blocks  # int8 codes padded to whole blocks + fp32 scales
+
+
+def _placed(tensors: list[tuple[int, int]], policy: ActivationPolicy) -> tuple[int, int, int]:
+    """(bytes kept on the device, bytes offloaded, pinned round-up) of saved tensors given as (bytes, elements).
+
+    ``CpuOffloader`` leaves storages under ``offload_min_numel`` elements where they are and copies the rest into
+    ``torch.empty(..., pin_memory=True)``, whose CachingHostAllocator (torch 2.13 ``ATen/core/CachingHostAllocator.h``,
+    ``PowerOf2Ceil`` below ``pinned_max_round_threshold``, unlimited by default) hands out a power-of-two block for
+    each and keeps the blocks cached between steps.
+    """
+    if not policy.offload:
+        return sum(b for b, _ in tensors), 0, 0
+    moved = [b for b, k in tensors if k >= policy.offload_min_numel]
+    kept = sum(b for b, k in tensors if k < policy.offload_min_numel)
+    pad = sum((1 << (b - 1).bit_length()) - b for b in moved if b) if policy.offload_pin_memory else 0
+    return kept, sum(moved), pad
 
 
 def estimate_transformer_activations(
@@ -129,53 +154,65 @@ def estimate_transformer_activations(
         ]
     block_tensors += [(a, bt * f)] * 4
     full_block = sum(saved(e, k) for e, k in block_tensors)
-    ckpt_block = saved(stream, bt * d)
     n_ckpt = 0 if policy.checkpoint_every == 0 else math.ceil(cfg.n_layers / policy.checkpoint_every)
     n_full = cfg.n_layers - n_ckpt
-    where = "cpu" if policy.offload else "device"
     per_tok = (full_block / bt) if bt else 0
-    terms = [
-        Term(
-            "activations",
-            where,
+    # (label, formula, copies, saved tensors as (bytes, elements)); each group is placed tensor by tensor below.
+    groups: list[tuple[str, str, int, list[tuple[int, int]]]] = [
+        (
             f"{n_full} full blocks",
-            n_full * full_block,
             f"{n_full} x {bt:,} tok x {per_tok:,.0f} B",
+            n_full,
+            [(saved(e, k), k) for e, k in block_tensors],
         ),
-        Term(
-            "activations",
-            where,
+        (
             f"{n_ckpt} checkpointed block inputs",
-            n_ckpt * ckpt_block,
             f"{n_ckpt} x {bt:,} tok x {stream} B x {d}",
+            n_ckpt,
+            [(saved(stream, bt * d), bt * d)],
+        ),
+        (
+            "final norm, lm_head input, log-softmax",
+            f"{bt:,} tok x (8d+4+a·d+4V)",
+            1,
+            [(saved(4, bt * d), bt * d)] * 2
+            + [(4 * bt, bt), (saved(a, bt * d), bt * d), (saved(4, bt * cfg.vocab_size), bt * cfg.vocab_size)],
+        ),
+        (
+            "token ids, targets, rotary table",
+            "16 B/tok + 4 B x T x head_dim + loss weight",
+            1,
+            [(8 * bt, bt)] * 2 + [(saved(4, seq_len * cfg.head_dim), seq_len * cfg.head_dim), (4, 1)],
         ),
     ]
-    head = saved(4, bt * d) * 2 + 4 * bt + saved(a, bt * d) + saved(4, bt * cfg.vocab_size)
-    terms.append(
-        Term("activations", where, "final norm, lm_head input, log-softmax", head, f"{bt:,} tok x (8d+4+a·d+4V)")
-    )
-    terms.append(
-        Term(
-            "activations",
-            where,
-            "token ids, targets, rotary table",
-            16 * bt + saved(4, seq_len * cfg.head_dim) + 4,
-            "16 B/tok + 4 B x T x head_dim + loss weight",
-        )
-    )
     if autocast:
         # One half copy per Linear weight, each its own saved tensor (so compressed one by one under int8).
         block_mats = [d * d, d * dkv, d * dkv, d * d, d * f, d * f, f * d]
         n_w = cfg.vocab_size * d + n_full * sum(block_mats)
-        copies = saved(2, cfg.vocab_size * d) + n_full * sum(saved(2, k) for k in block_mats)
-        terms.append(
-            Term("activations", where, "autocast half weight copies", copies, f"2 B x {n_w:,} (lm_head + full blocks)")
-        )
+        copies = [(saved(2, cfg.vocab_size * d), cfg.vocab_size * d)]
+        copies += [(saved(2, k), k) for k in block_mats] * n_full
+        groups.append(("autocast half weight copies", f"2 B x {n_w:,} (lm_head + full blocks)", 1, copies))
     if a == 2 and not autocast:
         # Half-precision weights: each RMSNorm multiplies by ``weight.float()``, an fp32 copy saved for backward.
         n_norms = 2 * n_full + 1
+        groups.append(("fp32 copies of norm weights", f"{n_norms} x 4 B x d", n_norms, [(saved(4, d), d)]))
+    terms: list[Term] = []
+    rounded = 0
+    for label, formula, count, tensors in groups:
+        kept, moved, pad = _placed(tensors, policy)
+        terms.append(Term("activations", "device", label, count * kept, formula))
+        terms.append(Term("activations", "cpu", label, count * moved, formula))
+        rounded += count * pad
+    if rounded:
         terms.append(
-            Term("activations", where, "fp32 copies of norm weights", n_norms * saved(4, d), f"{n_norms} x 4 B x d")
+            Term(
+                "other",
+                "cpu",
+                "pinned blocks rounded up to powers of two (CachingHostAllocator)",
+                rounded,
+                "sum over offloaded tensors of 2^ceil(log2 bytes) - bytes",
+                phase="backward",
+            )
         )
     if n_ckpt:
         # Backward re-runs one checkpointed block and holds its activations while its gradient is computed.
