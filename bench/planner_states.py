@@ -29,6 +29,7 @@ COMBOS = [
     ("zero2", "bf16"),
     ("zero3", "bf16"),
     ("zero2", "fp32"),
+    ("zero3", "fp32"),
     ("zero2_offload", "bf16"),
     ("zero3_offload", "bf16"),
 ]

@@ -13,7 +13,8 @@ Sources read for every rule (deepspeed 0.19, lightning 2.6, torch 2.13):
   only at the accumulation boundary, keeping full half ``param.grad`` in between.
 - DeepSpeed ZeRO-3 (``stage3.py``): every parameter partitioned on its own (``ceil(numel / world)``); parameters
   under ``param_persistence_threshold`` elements also stay gathered on every rank; gradient partitions in
-  ``gradient_accumulation_dtype`` (the model dtype); fp32 master copy unless the model is already fp32 on device.
+  ``gradient_accumulation_dtype`` (the model dtype); an fp32 master copy per sub-group, fp32 models included (its
+  skip compares a ``torch.device`` with a string); in ``step()`` each sub-group's gradients flattened into fp32.
 - FSDP2 (``fully_shard``): parameters, gradients and optimizer states sharded by world size in the parameters' dtype.
 - torch Adam/AdamW inside ``step()`` (``torch/optim/adam.py``): the fused kernel makes no temporary; the multi-tensor
   path (CUDA default when not fused) makes ``_foreach_sqrt(exp_avg_sqs)``, one temporary per state tensor of the
@@ -294,17 +295,32 @@ def _deepspeed(
     if layout.offload_optimizer == "nvme":
         terms.extend(nvme_optimizer_terms(subs, w, layout, optimizer))
     else:
-        if h == 2 or layout.offload_optimizer == "cpu":
+        # The optimizer steps each sub-group's flat fp32 partition as one tensor (one `step` counter each).
+        sub_parts = [sum(math.ceil(k / w) for k in sub) for group in subs for sub in group]
+        if layout.offload_optimizer == "cpu":
             # Under offload each sub-group gets its own fp32 gradient buffer (initialize_optimizer_states), in fp32
-            # models too.
+            # models too, kept for good.
             terms.append(_fp32_grad_partition(part, n, w, opt_where))
-        master_copy = h == 2 or layout.offload_optimizer != "none" or layout.offload_params != "none"
-        if master_copy:
+        else:
+            # _prepare_fp32_grad_for_sub_group flattens the sub-group's gradient partitions into a new tensor (then
+            # .to(fp32)), in fp32 models too, and _release_sub_group drops it after that sub-group's step.
+            largest = max(sub_parts, default=0)
             terms.append(
-                Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}")
+                Term(
+                    "grads",
+                    "device",
+                    "fp32 gradient partition of one sub-group (step)",
+                    4 * largest,
+                    f"4 B x {_gb(largest)} (largest sub-group's partition)",
+                    phase="in_step",
+                )
             )
+        # _create_fp32_partitions clones an fp32 master partition from the flat weight partition unless the two are
+        # the same dtype *and* `tensor.device == self.device`; self.device is a string ("cuda:0", "cpu") and a
+        # torch.device never equals a string, so the clone is made in fp32 models too (12 B/param/world with Adam).
+        terms.append(Term("optimizer_states", opt_where, "fp32 master partition", 4 * part, f"4 B x {_gb(n)} / {w}"))
         terms.append(
-            Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for([part], 4), optimizer.formula(4))
+            Term("optimizer_states", opt_where, optimizer.name, optimizer.bytes_for(sub_parts, 4), optimizer.formula(4))
         )
     if opt_where == "device":
         # One sub-group per param group (Lightning's sub_group_size 1e12): the optimizer steps each flat partition.
