@@ -1,5 +1,6 @@
-"""The planner against measurement: saved-for-backward bytes (real CPU forward with the real techniques) and
-per-rank model states on 2 CPU processes (core.memory_accounting), as recorded in bench/RESULTS.md."""
+"""The planner against measurement: saved-for-backward bytes (real CPU forward with the real techniques),
+per-rank model states on 2 CPU processes (core.memory_accounting) and FSDP2's gathered units on 2 CPU processes
+(torch.profiler allocations), as recorded in bench/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def test_model_states_within_5_percent_on_2_cpu_processes(strategy, precision):
     for r in rows:
         assert r["measured"] > 0
         assert abs(r["error"]) <= 0.05, r
+
+
+@pytest.mark.slow
+def test_fsdp2_gathered_units_within_5_percent_on_2_cpu_processes():
+    # What FSDP2 holds unsharded in backward (root unit, head gradient, 4 block units) against its allocations.
+    row = _load("planner_fsdp").fsdp_row()
+    assert row["measured"] > 0
+    assert abs(row["error"]) <= 0.05, row
 
 
 @RunIf(min_cuda_gpus=1)

@@ -15,7 +15,9 @@ Sources read for every rule (deepspeed 0.19, lightning 2.6, torch 2.13):
   under ``param_persistence_threshold`` elements also stay gathered on every rank; gradient partitions in
   ``gradient_accumulation_dtype`` (the model dtype); an fp32 master copy per sub-group, fp32 models included (its
   skip compares a ``torch.device`` with a string); in ``step()`` each sub-group's gradients flattened into fp32.
-- FSDP2 (``fully_shard``): parameters, gradients and optimizer states sharded by world size in the parameters' dtype.
+- FSDP2 (``fully_shard``): parameters, gradients and optimizer states sharded by world size in the parameters' dtype;
+  the units it holds unsharded during backward: ``fsdp_units.py``.
+- Every strategy: what a rank holds while the model is built, before the first step: ``model_build.py``.
 - torch Adam/AdamW inside ``step()`` (``torch/optim/adam.py``): the fused kernel makes no temporary; the multi-tensor
   path (CUDA default when not fused) makes ``_foreach_sqrt(exp_avg_sqs)``, one temporary per state tensor of the
   param group being stepped; the single-tensor path (CPU) makes ``exp_avg_sq.sqrt()`` and its quotient, two
@@ -40,6 +42,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_trainopt.core.estimate.fsdp_units import FSDPUnits
+from lightning_trainopt.core.estimate.model_build import build_terms
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.strategy_layout import MODEL_SIZED_BUCKET_CAP, StrategyLayout, model_sized_bucket
 from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
@@ -87,8 +91,9 @@ def estimate_model_states(
     accumulate: int = 1,
     adam_path: str = "fused",
     module_trace: ModuleTrace | None = None,
+    fsdp_units: FSDPUnits | None = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes of parameters, gradients and optimizer states.
+    """Per-rank bytes of parameters, gradients and optimizer states, and what a rank holds while the model is built.
 
     Args:
         param_groups: element counts of the trainable parameters, one list per optimizer param group
@@ -104,6 +109,8 @@ def estimate_model_states(
             one state tensor at a time. Ignored for other optimizers and under optimizer offload (DeepSpeed CPU Adam).
         module_trace: forward order of the parameter-owning modules (``zero3_gather.gpt_module_trace``), for the
             parameters ZeRO-3 holds gathered; ``None``: each parameter its own module, in ``param_groups`` order.
+        fsdp_units: FSDP2's units (``fsdp_units.gpt_fsdp_units``), for the parameters and gradients it holds
+            unsharded; ``None``: each parameter its own unit.
 
     Raises:
         ConfigError: ``world_size`` below 1, unknown ``adam_path``.
@@ -117,7 +124,9 @@ def estimate_model_states(
     n = sum(numels)
     wb, gb = param_dtype_bytes(trainer_precision, layout)
     grad_phase = "step" if accumulate == 1 else "all"
-    terms: list[Term | None] = []
+    units = fsdp_units or FSDPUnits.per_parameter(numels)
+    built = build_terms(numels, wb, layout, w, max((*units.blocks, units.root), default=0))
+    terms: list[Term | None] = list(built)
     if layout.kind in ("single", "ddp"):
         terms.append(Term("params", "device", f"{8 * wb}-bit weights", wb * n, f"{wb} B x {_gb(n)}"))
         terms.append(Term("grads", "device", f"{8 * gb}-bit .grad", gb * n, f"{gb} B x {_gb(n)}", phase=grad_phase))
@@ -142,9 +151,11 @@ def estimate_model_states(
         )
         shard_groups = [[math.ceil(k / w) for k in g] for g in param_groups]
         terms.append(_adam_temporary(optimizer, adam_path, shard_groups, wb, where))
+        terms.extend(units.gathered_terms(wb, gb, layout.reshard_after_forward))
         return MemoryEstimate.of(t for t in terms if t is not None)
     trace = module_trace or tuple(((i, k),) for i, k in enumerate(numels))
-    return _deepspeed(param_groups, numels, n, wb, layout, optimizer, w, rank, accumulate, adam_path, trace)
+    states = _deepspeed(param_groups, numels, n, wb, layout, optimizer, w, rank, accumulate, adam_path, trace)
+    return MemoryEstimate.of(built) + states
 
 
 def _adam_temporary(

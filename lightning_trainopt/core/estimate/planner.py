@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
+from lightning_trainopt.core.estimate.fsdp_units import gpt_fsdp_units
 from lightning_trainopt.core.estimate.model_states import StrategyLayout, estimate_model_states
 from lightning_trainopt.core.estimate.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
@@ -135,10 +136,10 @@ class PlanEstimate:
 
     @property
     def host_bytes_per_node(self) -> int:
-        """Host RAM the ranks of one node take: per-rank CPU bytes (plus the device peak when the device is the CPU)
-        x devices per node."""
+        """Host RAM the ranks of one node take: per-rank CPU bytes, or the model built in host memory if larger (plus
+        the device peak when the device is the CPU) x devices per node."""
         device = self.peak_device_bytes if self.device_is_host else 0
-        return (self.memory.bytes(location="cpu") + device) * self.inputs.devices
+        return (self.memory.held("cpu") + device) * self.inputs.devices
 
     @property
     def host_usable_bytes(self) -> int | None:
@@ -216,6 +217,9 @@ def estimate_plan(
         accumulate=inputs.accumulate,
         adam_path=inputs.adam_path,
         module_trace=gpt_module_trace(
+            m.vocab_size, m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden, m.n_layers, m.tie_embeddings
+        ),
+        fsdp_units=gpt_fsdp_units(
             m.vocab_size, m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden, m.n_layers, m.tie_embeddings
         ),
     )

@@ -53,6 +53,7 @@ class StrategyLayout:
         max_in_cpu: parameter partition elements NVMe parameter offload keeps in CPU memory (default 1e9).
         buckets_sized_to_model: the preset's bucket size is ``auto``: ``reduce_bucket_size`` is then the cap and
             the bucket :func:`model_sized_bucket` of the model's parameter count, as the strategy builder runs it.
+        reshard_after_forward: FSDP2 units free their gathered parameters after forward (the presets' ``true``).
 
     Example::
 
@@ -77,6 +78,7 @@ class StrategyLayout:
     params_buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
     buckets_sized_to_model: bool = False
+    reshard_after_forward: bool = True
 
     def bucket_numel(self, n_params: int) -> int:
         """Elements of the reduce bucket DeepSpeed allocates for a model of ``n_params`` parameters."""

@@ -9,7 +9,7 @@ __all__ = ["CATEGORIES", "LOCATIONS", "PHASES", "MemoryEstimate", "Term", "numel
 
 CATEGORIES = ("params", "grads", "optimizer_states", "activations", "other")
 LOCATIONS = ("device", "cpu", "nvme")
-PHASES = ("all", "backward", "step", "in_step")
+PHASES = ("all", "backward", "step", "in_step", "build")
 
 
 def numel_text(n: float) -> str:
@@ -30,7 +30,9 @@ class Term:
         phase: ``all`` when the bytes live through the whole step; ``backward`` when they exist only while
             activations do (forward end / backward start); ``step`` from the end of backward through the optimizer
             step (gradients under ``zero_grad(set_to_none=True)``); ``in_step`` only inside ``optimizer.step()``
-            (DeepSpeed's fp32 gradient partition, foreach temporaries).
+            (DeepSpeed's fp32 gradient partition, foreach temporaries); ``build`` while ``configure_model`` builds the
+            model and the strategy takes it over, before the first step: none of the other phases' bytes exist yet, so
+            build terms are compared with the step's peak, never added to it.
     """
 
     category: str
@@ -75,7 +77,9 @@ class MemoryEstimate:
         return cls(tuple(t for t in terms if t.nbytes))
 
     def bytes(self, category: str | None = None, location: str = "device", resident_only: bool = False) -> int:
-        """Sum of the terms of ``category`` (all categories when ``None``) held at ``location``.
+        """Sum of the step's terms of ``category`` (all categories when ``None``) held at ``location``.
+
+        Build terms are not part of a step and are left out (:meth:`build_bytes`, :meth:`peak`).
 
         Args:
             category: one of :data:`CATEGORIES`, or ``None`` for all.
@@ -87,17 +91,30 @@ class MemoryEstimate:
             t.nbytes
             for t in self.terms
             if t.location == location
+            and t.phase != "build"
             and (category is None or t.category == category)
             and not (resident_only and t.transient)
         )
 
+    def _phase(self, phase: str, location: str) -> int:
+        return sum(t.nbytes for t in self.terms if t.location == location and t.phase == phase)
+
+    def build_bytes(self, location: str = "device") -> int:
+        """Bytes ``location`` holds at the peak of building the model (the ``build`` terms), before any step."""
+        return self._phase("build", location)
+
     def peak(self, location: str = "device") -> int:
-        """Predicted peak: what lives all step, plus the larger of the backward-phase and step-phase terms."""
+        """Predicted peak: the larger of the build and a step, a step being what lives all step plus the larger of
+        the backward-phase and step-phase terms."""
+        step = self._phase("all", location) + max(
+            self._phase("backward", location), self._phase("step", location) + self._phase("in_step", location)
+        )
+        return max(self.build_bytes(location), step)
 
-        def phase(ph: str) -> int:
-            return sum(t.nbytes for t in self.terms if t.location == location and t.phase == ph)
-
-        return phase("all") + max(phase("backward"), phase("step") + phase("in_step"))
+    def held(self, location: str) -> int:
+        """The most bytes ``location`` holds, counted conservatively: every step term at once, or the build if that
+        is larger (host RAM: offloaded states, or FSDP2's full model built in host memory before it is sharded)."""
+        return max(self.bytes(location=location), self.build_bytes(location))
 
     def per_device(self) -> dict[str, int]:
         """``{params, grads, optimizer_states, activations, other, total}`` bytes on the device."""
