@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,10 @@ from lightning_trainopt.core.estimate import (
     StrategyLayout,
     optimizer_state_model,
 )
-from lightning_trainopt.core.estimate.model_states import MODEL_SIZED_BUCKET_CAP
-from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_buffers
 from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.strategies.spec import AUTO, StrategySpec, parse_strategy
 
 __all__ = [
     "NO_STRATEGY",
@@ -30,6 +30,7 @@ __all__ = [
     "deepspeed_user_config",
     "hardware_from_cfg",
     "json_accumulation",
+    "layout_of",
     "load_preset",
     "optimizer_from_cfg",
     "search_space_from_cfg",
@@ -56,196 +57,85 @@ def _walk(obj: Any) -> Iterator[dict[str, Any]]:
             yield from _walk(v)
 
 
-def _whole(key: str, value: Any, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``; integral floats (``5e8`` in a JSON) pass, fractions and text do not.
-
-    Raises:
-        ConfigError: not a whole number, or below ``minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
-        raise ConfigError(key, value, f"use a whole number >= {minimum}.")
-    return int(value)
-
-
 def deepspeed_user_config(node: Any) -> dict[str, Any] | None:
     """The user's DeepSpeed JSON of a strategy node (``strategy.config``: a path or a mapping), or ``None``.
 
     Lightning's ``DeepSpeedStrategy`` uses such a config as is and ignores its own ``stage``/``offload_*`` arguments,
-    so the planner must read the JSON, as ``strategies.builder`` does (``load_deepspeed_json``).
+    so the planner reads the JSON, as the builder does (both through :func:`parse_strategy`).
 
     Raises:
         ConfigError: ``strategy.config`` is missing (``???``), not a readable JSON object, or neither path nor mapping.
     """
-    node = _plain(node) or {}
-    config = node.get("config")
-    if config is None:
-        return None
-    if config == "???":
-        raise ConfigError(
-            "strategy.config", "???", "this preset needs it: add strategy.config=PATH.json to the command."
-        )
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, str):
-        from lightning_trainopt.strategies.deepspeed_json import load_deepspeed_json
-
-        return load_deepspeed_json(config)
-    raise ConfigError("strategy.config", config, "give the path of a DeepSpeed JSON file.")
-
-
-def _offload_device(zero: dict[str, Any], block: str, legacy: str) -> str:
-    """``none``/``cpu``/``nvme`` of ``zero_optimization.<block>.device`` (DeepSpeed's default ``none``)."""
-    key = f"strategy.config.zero_optimization.{block}"
-    node = zero.get(block)
-    if node is None:
-        # DeepSpeed still maps the deprecated booleans (cpu_offload, cpu_offload_param) onto the CPU.
-        return "cpu" if zero.get(legacy) else "none"
-    if not isinstance(node, dict):
-        raise ConfigError(key, node, 'use a mapping such as {"device": "cpu"}.')
-    device = str(node.get("device", "none"))
-    if device not in ("none", "cpu", "nvme"):
-        raise ConfigError(f"{key}.device", device, "use none, cpu or nvme.")
-    ratio = node.get("ratio", 1.0)
-    if ratio != 1.0:
-        raise ConfigError(
-            f"{key}.ratio", ratio, "the planner models whole offload only; remove ratio (or set 1.0) to plan the run."
-        )
-    return device
-
-
-def _json_layout(name: str, ds: dict[str, Any]) -> StrategyLayout:
-    """The layout of a user DeepSpeed JSON, with DeepSpeed's own defaults (``runtime/zero/config.py``) for what it
-    leaves out: Lightning's defaults (2e8 buckets, ``overlap_comm``) apply only to its keyword arguments."""
-    zero = ds.get("zero_optimization") or {}
-    key = "strategy.config.zero_optimization"
-    if not isinstance(zero, dict):
-        raise ConfigError(key, zero, 'use a mapping such as {"stage": 2}.')
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ConfigError(
-            f"{key}.stage",
-            stage,
-            "the planner models ZeRO stages 1, 2 and 3 (DeepSpeed's default 0 is no ZeRO); set the stage in the JSON.",
-        )
-
-    def count(field: str, default: int, alias: str | None = None, minimum: int = 0) -> int:
-        # DeepSpeed's pydantic model accepts a field's name and its alias (populate_by_name).
-        for k in (alias, field):
-            if k and k in zero:
-                return _whole(f"{key}.{k}", zero[k], minimum)
-        return default
-
-    overlap = zero.get("overlap_comm")
-    contiguous = zero.get("contiguous_gradients", True)
-    opt_swap = _offload_block(zero, "offload_optimizer")
-    param_swap = _offload_block(zero, "offload_param")
-
-    def swap(block: dict[str, Any], name: str, field: str, default: int, minimum: int) -> int:
-        return _whole(f"{key}.{name}.{field}", block[field], minimum) if field in block else default
-
-    if opt_swap.get("device") == "nvme" and "buffer_count" in opt_swap:
-        check_optimizer_swap_buffers(f"{key}.offload_optimizer.buffer_count", opt_swap["buffer_count"])
-
-    return StrategyLayout(
-        name=name,
-        kind="deepspeed",
-        zero_stage=int(stage),
-        offload_optimizer=_offload_device(zero, "offload_optimizer", "cpu_offload"),
-        offload_params=_offload_device(zero, "offload_param", "cpu_offload_param"),
-        reduce_bucket_size=count("reduce_bucket_size", 500_000_000, minimum=1),
-        param_persistence_threshold=count(
-            "param_persistence_threshold", 100_000, alias="stage3_param_persistence_threshold"
-        ),
-        # DeepSpeed's validator: overlap_comm defaults to True for stage 3 only.
-        overlap_comm=bool(stage == 3 if overlap is None else overlap),
-        contiguous_gradients=bool(contiguous),
-        prefetch_bucket_size=count("prefetch_bucket_size", 50_000_000, alias="stage3_prefetch_bucket_size"),
-        max_live_parameters=count("max_live_parameters", 1_000_000_000, alias="stage3_max_live_parameters"),
-        max_reuse_distance=count("max_reuse_distance", 1_000_000_000, alias="stage3_max_reuse_distance"),
-        # DeepSpeed's defaults (runtime/zero/config.py, offload_config.py): 1e9-element sub-groups, unlike Lightning.
-        sub_group_size=count("sub_group_size", 1_000_000_000),
-        optimizer_buffer_count=swap(opt_swap, "offload_optimizer", "buffer_count", 4, 1),
-        params_buffer_count=swap(param_swap, "offload_param", "buffer_count", 5, 1),
-        params_buffer_size=swap(param_swap, "offload_param", "buffer_size", 100_000_000, 1),
-        max_in_cpu=swap(param_swap, "offload_param", "max_in_cpu", 1_000_000_000, 0),
-    )
-
-
-def _bucket(node: dict[str, Any]) -> int:
-    """``strategy.reduce_bucket_size`` in elements (Lightning's default 2e8); ``auto`` gives the cap of the bucket
-    that :class:`StrategyLayout` sizes to the model (``buckets_sized_to_model``)."""
-    value = node.get("reduce_bucket_size", 200_000_000)
-    return MODEL_SIZED_BUCKET_CAP if value == "auto" else _whole("strategy.reduce_bucket_size", value)
-
-
-def _offload_block(zero: dict[str, Any], block: str) -> dict[str, Any]:
-    """``zero_optimization.<block>`` as a mapping (``{}`` when absent; its type is checked by ``_offload_device``)."""
-    node = zero.get(block)
-    return node if isinstance(node, dict) else {}
+    config = parse_strategy(node).config
+    return None if config is None else copy.deepcopy(dict(config))
 
 
 def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
     """The layout of a ``conf/strategy`` preset node (``None``: Lightning's default for ``world_size`` devices).
 
-    A DeepSpeed node with ``config`` (``+strategy=deepspeed_json strategy.config=FILE``) is read from the JSON, as
-    Lightning does; a DDP preset stays DDP on one device too (Lightning wraps the model in DDP whatever the world).
+    The node is read by :func:`parse_strategy`, as ``train.py``'s builder reads it: a DeepSpeed node with ``config``
+    (``+strategy=deepspeed_json strategy.config=FILE``) from the JSON, with DeepSpeed's defaults for what the JSON
+    leaves out; a preset from its keyword arguments, with the strategy class's defaults. A DDP preset stays DDP on
+    one device too (Lightning wraps the model in DDP whatever the world).
 
     Raises:
         ConfigError: a strategy the planner does not model, or a bad value in the strategy node or its JSON.
     """
-    node = _plain(node)
-    if not node:
+    return layout_of(parse_strategy(node), world_size)
+
+
+def layout_of(spec: StrategySpec, world_size: int) -> StrategyLayout:
+    """The planner's :class:`StrategyLayout` of a :class:`StrategySpec` on ``world_size`` devices.
+
+    Raises:
+        ConfigError: ZeRO stage 0, a partial optimizer offload (``ratio``), or a kind the planner does not model.
+    """
+    if spec.kind == "none":
         return StrategyLayout(name="ddp" if world_size > 1 else "single", kind="ddp" if world_size > 1 else "single")
-    target = str(node.get("_target_", ""))
-    name = str(node.get("name") or target.rsplit(".", 1)[-1])
-    if "deepspeed" in target.lower() or "stage" in node:
-        user_json = deepspeed_user_config(node)
-        if user_json is not None:
-            return _json_layout(name, user_json)
-        off_opt = "none"
-        if node.get("offload_optimizer"):
-            off_opt = str(node.get("offload_optimizer_device", "cpu"))
-        off_par = "none"
-        if node.get("offload_parameters"):
-            off_par = str(node.get("offload_params_device", "cpu"))
-        if off_opt == "nvme" and "optimizer_buffer_count" in node:
-            check_optimizer_swap_buffers("strategy.optimizer_buffer_count", node["optimizer_buffer_count"])
-        # TrainOptDeepSpeedStrategy keeps ZeRO-3 parameters under 10,000 elements whole unless told otherwise.
-        persistence = 10_000 if target.endswith("TrainOptDeepSpeedStrategy") else 100_000
+    if spec.kind == "ddp":
+        return StrategyLayout(name=spec.name, kind="ddp")
+    if spec.kind == "fsdp":
         return StrategyLayout(
-            name=name,
-            kind="deepspeed",
-            zero_stage=_whole("strategy.stage", node.get("stage", 2)),
-            offload_optimizer=off_opt,
-            offload_params=off_par,
-            reduce_bucket_size=_bucket(node),
-            # `auto` (the ZeRO-1/2 presets): the model's parameter count, at most the cap, as the builder runs it.
-            buckets_sized_to_model=node.get("reduce_bucket_size") == "auto",
-            param_persistence_threshold=_whole(
-                "strategy.param_persistence_threshold", node.get("param_persistence_threshold", persistence), 0
-            ),
-            # Lightning's DeepSpeedStrategy defaults; the stage-3 gather knobs are not Lightning arguments, so
-            # DeepSpeed's own defaults apply (runtime/zero/config.py).
-            overlap_comm=bool(node.get("overlap_comm", True)),
-            contiguous_gradients=bool(node.get("contiguous_gradients", True)),
-            # ZeRO-Infinity's host buffers, under Lightning's argument names and defaults.
-            sub_group_size=_whole("strategy.sub_group_size", node.get("sub_group_size", 10**12), 0),
-            optimizer_buffer_count=_whole("strategy.optimizer_buffer_count", node.get("optimizer_buffer_count", 4)),
-            params_buffer_count=_whole("strategy.params_buffer_count", node.get("params_buffer_count", 5)),
-            params_buffer_size=_whole("strategy.params_buffer_size", node.get("params_buffer_size", 100_000_000)),
-            max_in_cpu=_whole("strategy.max_in_cpu", node.get("max_in_cpu", 1_000_000_000), 0),
+            name=spec.name, kind="fsdp", offload_params=spec.offload_params, offload_optimizer=spec.offload_optimizer
         )
-    if "fsdp" in name.lower() or "fsdp" in target.lower() or "modelparallel" in target.lower():
-        offload = any("offload" in str(k).lower() and v for d in _walk(node) for k, v in d.items())
-        return StrategyLayout(
-            name=name,
-            kind="fsdp",
-            offload_params="cpu" if offload else "none",
-            offload_optimizer="cpu" if offload else "none",
+    if spec.kind != "deepspeed" or spec.zero is None:
+        raise ConfigError(
+            "strategy._target_", spec.target, "the planner models ddp, zero1/2/3 (+offload, infinity) and fsdp."
         )
-    if "ddp" in target.lower() or name == "ddp":
-        return StrategyLayout(name=name, kind="ddp")
-    raise ConfigError("strategy._target_", target, "the planner models ddp, zero1/2/3 (+offload, infinity) and fsdp.")
+    zero = spec.zero
+    if zero.stage == 0:
+        where = "in the JSON" if spec.from_json else "with strategy.stage=1, 2 or 3"
+        raise ConfigError(
+            spec.key("stage"), 0, f"the planner models ZeRO stages 1, 2 and 3 (0 is no ZeRO); set the stage {where}."
+        )
+    if zero.offload_optimizer_ratio != 1.0:
+        raise ConfigError(
+            spec.key("offload_optimizer.ratio"),
+            zero.offload_optimizer_ratio,
+            "the planner models whole offload only; remove ratio (or set 1.0) to plan the run.",
+        )
+    return StrategyLayout(
+        name=spec.name,
+        kind="deepspeed",
+        zero_stage=zero.stage,
+        offload_optimizer=spec.offload_optimizer,
+        offload_params=spec.offload_params,
+        # `auto` (the ZeRO-1/2 presets): the cap here; the model's parameter count, at most the cap, is planned
+        # (StrategyLayout.bucket_numel), as the builder runs it.
+        reduce_bucket_size=int(zero.with_buckets_for(None).reduce_bucket_size),
+        buckets_sized_to_model=zero.reduce_bucket_size == AUTO,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        overlap_comm=zero.overlap_comm,
+        contiguous_gradients=zero.contiguous_gradients,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_live_parameters=zero.max_live_parameters,
+        max_reuse_distance=zero.max_reuse_distance,
+        sub_group_size=zero.sub_group_size,
+        optimizer_buffer_count=zero.optimizer_buffer_count,
+        params_buffer_count=zero.params_buffer_count,
+        params_buffer_size=zero.params_buffer_size,
+        max_in_cpu=zero.max_in_cpu,
+    )
 
 
 def activation_policy(node: Any, name: str = "none") -> ActivationPolicy:
@@ -451,7 +341,8 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
     nodes = _positive("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), "use a positive whole node count.")
     micro = _positive("data.batch_size", cfg.data.batch_size, "use a positive micro-batch size per device.")
     seq_len = _positive("data.seq_len", cfg.data.seq_len, "use a positive sequence length.")
-    layout = strategy_layout(cfg.get("strategy"), devices * nodes)
+    spec = parse_strategy(cfg.get("strategy"))
+    layout = layout_of(spec, devices * nodes)
     optimizer = optimizer_from_cfg(cfg.optimizer)
     trainer_precision = str(cfg.precision.trainer_precision)
     on_cuda = hardware_from_cfg(cfg.get("hardware")).name != "cpu"
@@ -463,13 +354,12 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         raise ConfigError(
             "trainer.accumulate_grad_batches", accumulate, "use a positive integer (1 = no accumulation)."
         )
-    if layout.kind == "deepspeed":
-        user_json = deepspeed_user_config(cfg.get("strategy"))
-        if user_json is not None:
-            from lightning_trainopt.strategies.deepspeed_json import check_json_precision
+    if spec.config is not None:
+        from lightning_trainopt.strategies.deepspeed_json import check_json_precision
 
-            check_json_precision(user_json, trainer_precision)
-            accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
+        user_json = dict(spec.config)
+        check_json_precision(user_json, trainer_precision)
+        accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
     return PlanInputs(
         model=gpt,
         trainer_precision=trainer_precision,

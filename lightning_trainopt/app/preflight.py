@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError, MissingDependencyError
 from lightning_trainopt.precision.plugins import FP16_FSDP2_FIX, FP16_FSDP2_REASON
+from lightning_trainopt.strategies.spec import StrategySpec, parse_strategy
 
 __all__ = [
     "PreflightInput",
@@ -33,9 +34,6 @@ __all__ = [
     "size_advice",
 ]
 
-_DS_TARGETS = ("TrainOptDeepSpeedStrategy", "DeepSpeedStrategy")
-_FSDP2_TARGETS = ("TrainOptFSDPStrategy", "ModelParallelStrategy")
-_FSDP1_TARGETS = ("FSDPStrategy",)
 _ADAM_TARGETS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.adamw.AdamW", "torch.optim.adam.Adam")
 _OPTIMIZER_CONF = Path(__file__).resolve().parents[2] / "conf" / "optimizer"
 
@@ -92,9 +90,10 @@ class PreflightInput:
     precision_preset: str | None = None
     logger_targets: tuple[tuple[str, str], ...] = ()
 
-    @property
-    def target(self) -> str:
-        return str((self.strategy or {}).get("_target_", "")).rsplit(".", 1)[-1]
+    @functools.cached_property
+    def spec(self) -> StrategySpec:
+        """What the strategy node means (:func:`~lightning_trainopt.strategies.spec.parse_strategy`), read once."""
+        return parse_strategy(self.strategy)
 
     @property
     def optimizer(self) -> str | None:
@@ -103,42 +102,19 @@ class PreflightInput:
 
     @property
     def preset(self) -> str:
-        s = self.strategy or {}
-        return str(s.get("name", self.target or "auto"))
+        return self.spec.name
 
     @property
     def is_deepspeed(self) -> bool:
-        return self.target in _DS_TARGETS
+        return self.spec.kind == "deepspeed"
 
     @property
     def is_fsdp(self) -> bool:
-        return self.target in _FSDP2_TARGETS + _FSDP1_TARGETS
-
-    def ds_json(self) -> dict[str, Any]:
-        config = (self.strategy or {}).get("config")
-        if isinstance(config, str):
-            from lightning_trainopt.strategies.deepspeed_json import load_deepspeed_json
-
-            return load_deepspeed_json(config)
-        return config if isinstance(config, dict) else {}
+        return self.spec.kind == "fsdp"
 
     def offload(self) -> dict[str, str]:
         """``{"optimizer": cpu|nvme|none, "param": ...}`` as the strategy would configure it."""
-        s = self.strategy or {}
-        if self.is_deepspeed:
-            zero = self.ds_json().get("zero_optimization") or {}
-            if zero:
-                return {
-                    "optimizer": str((zero.get("offload_optimizer") or {}).get("device", "none")),
-                    "param": str((zero.get("offload_param") or {}).get("device", "none")),
-                }
-            return {
-                "optimizer": str(s.get("offload_optimizer_device", "cpu")) if s.get("offload_optimizer") else "none",
-                "param": str(s.get("offload_params_device", "cpu")) if s.get("offload_parameters") else "none",
-            }
-        if self.is_fsdp and s.get("cpu_offload"):
-            return {"optimizer": "cpu", "param": "cpu"}
-        return {"optimizer": "none", "param": "none"}
+        return self.spec.offload
 
     def on_cpu(self) -> bool:
         if self.accelerator == "cpu":
@@ -164,7 +140,9 @@ class Rule:
 
 
 def _is_8bit(target: str | None) -> bool:
-    return bool(target) and ("bitsandbytes" in target or "8bit" in target.lower() or "torchao" in target)
+    if not target:
+        return False
+    return "bitsandbytes" in target or "8bit" in target.lower() or "torchao" in target
 
 
 def _fp8(p: PreflightInput) -> bool:
@@ -172,7 +150,7 @@ def _fp8(p: PreflightInput) -> bool:
 
 
 def _ds_optimizer_block(p: PreflightInput) -> bool:
-    return p.is_deepspeed and "optimizer" in p.ds_json()
+    return p.is_deepspeed and p.spec.json_optimizer
 
 
 RULES: tuple[Rule, ...] = (
@@ -228,7 +206,7 @@ RULES: tuple[Rule, ...] = (
         "fp16 AMP + FSDP2",
         FP16_FSDP2_REASON,
         FP16_FSDP2_FIX,
-        lambda p: p.precision == "16-mixed" and p.target in _FSDP2_TARGETS,
+        lambda p: p.precision == "16-mixed" and p.spec.fsdp_version == 2,
         lambda p: {"precision": p.precision, "strategy": p.preset},
     ),
     Rule(
@@ -251,7 +229,7 @@ RULES: tuple[Rule, ...] = (
         "FSDP1 on CPU",
         "torch's FullyShardedDataParallel (Lightning FSDPStrategy) raises 'FSDP needs a non-CPU accelerator device'.",
         "use +strategy=fsdp (FSDP2 fully_shard through ModelParallelStrategy), which runs on CPU.",
-        lambda p: p.target in _FSDP1_TARGETS and p.on_cpu(),
+        lambda p: p.spec.fsdp_version == 1 and p.on_cpu(),
         lambda p: {"strategy": p.preset, "trainer.accelerator": "cpu"},
     ),
 )
@@ -331,23 +309,23 @@ def estimate_nvme_bytes(n_params: int, world_size: int, offload: dict[str, str])
 
 
 def _check_nvme(p: PreflightInput) -> None:
-    if "nvme" not in p.offload().values():
-        return
-    s = p.strategy or {}
-    zero = p.ds_json().get("zero_optimization") or {}
-    path = (zero.get("offload_optimizer") or zero.get("offload_param") or {}).get("nvme_path") or s.get("nvme_path")
-    if not path or not os.path.isdir(path):
-        raise ConfigError("strategy.nvme_path", path, "point it at an existing directory on a local NVMe drive.")
-    if not os.access(path, os.W_OK):
-        raise ConfigError("strategy.nvme_path", path, "the directory is not writable by this user; choose another.")
-    if p.n_params:
-        need = estimate_nvme_bytes(p.n_params, p.world_size, p.offload())
+    """Each NVMe swap folder exists, is writable and has room for what goes there (keys as the user wrote them)."""
+    need: dict[str, tuple[str, int]] = {}
+    for what, key, path in p.spec.nvme_swaps():
+        if not path or not os.path.isdir(path):
+            raise ConfigError(key, path, "point it at an existing directory on a local NVMe drive.")
+        if not os.access(path, os.W_OK):
+            raise ConfigError(key, path, "the directory is not writable by this user; choose another.")
+        if p.n_params:
+            first_key, nbytes = need.get(path, (key, 0))
+            need[path] = first_key, nbytes + estimate_nvme_bytes(p.n_params, p.world_size, {what: "nvme"})
+    for path, (key, nbytes) in need.items():
         free = shutil.disk_usage(path).free
-        if free < need:
+        if free < nbytes:
             raise ConfigError(
-                "strategy.nvme_path",
+                key,
                 path,
-                f"{free / 2**30:.1f} GiB free but the swap needs about {need / 2**30:.1f} GiB "
+                f"{free / 2**30:.1f} GiB free but the swap needs about {nbytes / 2**30:.1f} GiB "
                 f"({p.n_params:,} params); free space or pick a larger drive.",
             )
 

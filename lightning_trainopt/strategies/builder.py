@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_trainopt.core.estimate.model_states import MODEL_SIZED_BUCKET_CAP, model_sized_bucket
 from lightning_trainopt.core.schedules import peak_lr
 from lightning_trainopt.exceptions import ConfigError, MissingDependencyError
 from lightning_trainopt.precision.spec import PrecisionSpec
+from lightning_trainopt.strategies.spec import BUCKET_KEYS, StrategySpec, parse_strategy
 
-__all__ = ["BUCKET_KEYS", "bucket_elements", "build_strategy", "preset_name", "strategy_info"]
-
-_RESERVED = ("_target_", "_recursive_", "_convert_", "_partial_", "_args_")
-#: DeepSpeed bucket arguments a preset may set to ``auto``: sized to the model (:func:`model_sized_bucket`).
-BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size")
+__all__ = ["build_strategy", "preset_name", "strategy_info"]
 
 
 def _log2_int(value: float, key: str) -> int:
@@ -25,10 +22,6 @@ def _log2_int(value: float, key: str) -> int:
     if power != int(power):
         raise ConfigError(key, value, "DeepSpeed's dynamic loss scale starts at a power of two; use e.g. 65536.")
     return int(power)
-
-
-def _is_deepspeed_target(target: str) -> bool:
-    return target.rsplit(".", 1)[-1] in ("TrainOptDeepSpeedStrategy", "DeepSpeedStrategy")
 
 
 def build_strategy(
@@ -40,7 +33,9 @@ def build_strategy(
 ) -> Strategy | str:
     """Instantiate a strategy preset (``cfg.strategy``), or return ``"auto"`` when there is none.
 
-    For DeepSpeed presets the builder fills what DeepSpeed would otherwise guess or take from elsewhere:
+    The node is read once into a :class:`~lightning_trainopt.strategies.spec.StrategySpec` (:func:`parse_strategy`),
+    which refuses a bad value naming its key before anything is built. For DeepSpeed presets the builder then fills
+    what DeepSpeed would otherwise guess or take from elsewhere:
 
     * ``train_micro_batch_size_per_gpu`` <- ``micro_batch_size`` (the datamodule's ``data.batch_size``),
     * ``reduce_bucket_size``/``allgather_bucket_size: auto`` (the ZeRO-1/2 presets) <- the model's parameter count
@@ -58,62 +53,39 @@ def build_strategy(
         n_params: the model's parameter count, for ``auto`` bucket sizes (``None``: unknown, the 5e7 cap applies).
 
     Raises:
-        ConfigError: a missing ``_target_``, a non-positive micro-batch, a loss scale that is not a power of two,
-            a bucket size that is neither a positive whole number nor ``auto``, or a clipping-by-value request
-            under DeepSpeed.
+        ConfigError: a missing ``_target_`` or value (``???``), a value :func:`parse_strategy` refuses (e.g. a bucket
+            size that is neither a positive whole number nor ``auto``), a non-positive micro-batch, a loss scale that
+            is not a power of two, or a clipping-by-value request under DeepSpeed.
     """
     if strategy_cfg is None:
         return "auto"
     from hydra.utils import instantiate
 
-    if isinstance(strategy_cfg, DictConfig):
-        for key in strategy_cfg:
-            if OmegaConf.is_missing(strategy_cfg, key):
-                raise ConfigError(
-                    f"strategy.{key}", "???", f"this preset needs it: add strategy.{key}=... to the command."
-                )
-        node = OmegaConf.to_container(strategy_cfg, resolve=True)
-    else:
-        node = dict(strategy_cfg)
-    assert isinstance(node, dict)
+    spec = parse_strategy(strategy_cfg)
+    node = _container(strategy_cfg)
     target = node.get("_target_")
     if not target:
         raise ConfigError("strategy._target_", target, "pick a preset with +strategy=NAME (see conf/strategy/).")
-    name = str(node.pop("name", target.rsplit(".", 1)[-1]))
+    node.pop("name", None)
     if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
         raise ConfigError("data.batch_size", micro_batch_size, "use a positive integer micro-batch.")
 
-    if _is_deepspeed_target(target):
-        _require_deepspeed(name)
-        _map_deepspeed(node, name, precision, trainer_cfg, micro_batch_size)
-        for key in BUCKET_KEYS:
-            if key in node:
-                node[key] = bucket_elements(f"strategy.{key}", node[key], n_params)
+    if spec.kind == "deepspeed":
+        _require_deepspeed(spec.name)
+        _map_deepspeed(node, spec.with_buckets_for(n_params), precision, trainer_cfg, micro_batch_size)
     strategy = instantiate(node, _convert_="all")
     if not isinstance(strategy, Strategy):
         raise ConfigError("strategy._target_", target, "point it at a lightning.pytorch Strategy class.")
-    strategy.trainopt_preset = name  # type: ignore[attr-defined]
+    strategy.trainopt_preset = spec.name  # type: ignore[attr-defined]
     return strategy
 
 
-def bucket_elements(key: str, value: Any, n_params: int | None) -> int:
-    """The elements of a DeepSpeed bucket argument: ``auto`` -> :func:`model_sized_bucket` of ``n_params``.
-
-    Args:
-        key: the config key, for the error.
-        value: the preset's or the user's value: a positive whole number (``5e7`` passes) or ``auto``.
-        n_params: the model's parameter count; ``None`` (unknown) gives ``auto`` the cap of 5e7 elements.
-
-    Raises:
-        ConfigError: neither ``auto`` nor a positive whole number.
-    """
-    if value == "auto":
-        return MODEL_SIZED_BUCKET_CAP if n_params is None else model_sized_bucket(n_params)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
-        raise ConfigError(
-            key, value, "use a positive whole number of elements, or auto (the model's parameter count, at most 5e7)."
-        )
-    return int(value)
+def _container(strategy_cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
+    """The node as a plain dict, interpolations resolved (its values are checked by :func:`parse_strategy`)."""
+    plain = OmegaConf.to_container(strategy_cfg, resolve=True) if isinstance(strategy_cfg, DictConfig) else strategy_cfg
+    if not isinstance(plain, dict):
+        raise ConfigError("strategy", plain, "use a strategy preset: +strategy=NAME (see conf/strategy/).")
+    return {str(k): v for k, v in plain.items()}
 
 
 def _require_deepspeed(name: str) -> None:
@@ -126,33 +98,37 @@ def _require_deepspeed(name: str) -> None:
 
 def _map_deepspeed(
     node: dict[str, Any],
-    name: str,
+    spec: StrategySpec,
     precision: PrecisionSpec,
     trainer_cfg: DictConfig | dict[str, Any] | None,
     micro_batch_size: int | None,
 ) -> None:
-    if node["_target_"].endswith("TrainOptDeepSpeedStrategy"):
-        node.setdefault("preset", name)
+    from hydra.utils import get_class
+
+    from lightning_trainopt.strategies.deepspeed import TrainOptDeepSpeedStrategy
+
+    if issubclass(get_class(spec.target), TrainOptDeepSpeedStrategy):
+        node.setdefault("preset", spec.name)
     trainer = dict(trainer_cfg or {})
     if trainer.get("gradient_clip_algorithm") == "value":
         raise ConfigError(
             "trainer.gradient_clip_algorithm", "value", "DeepSpeed clips by norm only; set it to 'norm' or remove it."
         )
-    user_json = node.get("config")
-    if micro_batch_size is not None:
-        if isinstance(user_json, dict):
-            user_json.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
-        elif user_json is None:
-            node["logging_batch_size_per_gpu"] = micro_batch_size
-        else:
-            # A path: load it here so the micro-batch can be filled without touching the user's file.
-            from lightning_trainopt.strategies.deepspeed_json import load_deepspeed_json
-
-            loaded = load_deepspeed_json(user_json)
-            loaded.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
-            node["config"] = loaded
-    if isinstance(node.get("config"), dict) and "train_batch_size" in node["config"]:
-        _check_train_batch_size(node["config"], trainer)
+    if spec.config is not None:
+        # The user's JSON as the spec read it (from a path or a mapping): the micro-batch is filled in this copy,
+        # never in the user's file.
+        config = copy.deepcopy(dict(spec.config))
+        if micro_batch_size is not None:
+            config.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
+        node["config"] = config
+        if "train_batch_size" in config:
+            _check_train_batch_size(config, trainer)
+    elif micro_batch_size is not None:
+        node["logging_batch_size_per_gpu"] = micro_batch_size
+    if spec.zero is not None:
+        for key in BUCKET_KEYS:
+            if key in node:
+                node[key] = getattr(spec.zero, key)
     if precision.is_fp16:
         if precision.init_scale is not None:
             node["initial_scale_power"] = _log2_int(precision.init_scale, "precision.init_scale")

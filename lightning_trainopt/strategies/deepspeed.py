@@ -19,21 +19,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
-from lightning_trainopt.core.estimate.zero_infinity import check_optimizer_swap_buffers
 from lightning_trainopt.core.schedules import peak_lr
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.strategies.deepspeed_json import check_json_precision
 from lightning_trainopt.strategies.nvme_resume import restore_nvme_optimizer_state
 from lightning_trainopt.strategies.op_builds import announce_op_builds
+from lightning_trainopt.strategies.spec import StrategySpec, deepspeed_config_spec
 
 __all__ = ["TrainOptDeepSpeedStrategy", "to_deepspeed_cpu_adam"]
 
 log = logging.getLogger(__name__)
-
-# Parameters with fewer elements stay whole on every rank under ZeRO-3 (DeepSpeed's default is 100,000, which
-# would keep every matrix of a small model unsharded). 10,000 shards every 2-D weight of gpt_125m and up and keeps
-# only the RMSNorm vectors whole.
-DEFAULT_PERSISTENCE_THRESHOLD = 10_000
 
 
 def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
@@ -138,7 +133,15 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     Args:
         preset: name of the preset (``zero3``, ...), reported in metrics.
         param_persistence_threshold: ZeRO-3 ``stage3_param_persistence_threshold`` (ignored with ``config``).
+            Parameters with fewer elements stay whole on every rank; DeepSpeed's default of 100,000 would keep every
+            matrix of a small model unsharded, 10,000 shards every 2-D weight of gpt_125m and up and keeps only the
+            RMSNorm vectors whole.
         **kwargs: the keyword arguments of :class:`lightning.pytorch.strategies.DeepSpeedStrategy`.
+
+    Raises:
+        ConfigError: a ZeRO setting DeepSpeed would refuse deep inside engine set-up (a negative or fractional
+            size, fewer NVMe optimizer swap buffers than its Adam takes), naming the key as given: the keyword
+            argument (``strategy.sub_group_size``) or the key of the user's JSON.
 
     Example::
 
@@ -149,7 +152,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     strategy_name = "trainopt_deepspeed"
 
     def __init__(
-        self, *args: Any, preset: str = "deepspeed", param_persistence_threshold: int | None = None, **kwargs: Any
+        self, *args: Any, preset: str = "deepspeed", param_persistence_threshold: int = 10_000, **kwargs: Any
     ) -> None:
         user_config = kwargs.get("config") is not None
         super().__init__(*args, **kwargs)
@@ -162,55 +165,15 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         # in the user's JSON is kept. The user's file is never rewritten (this is the loaded dict).
         self.config.setdefault("zero_allow_untested_optimizer", True)
         zero = self.config.get("zero_optimization")
-        swap = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-        if isinstance(swap, dict) and swap.get("device") == "nvme" and "buffer_count" in swap:
-            key = (
-                "strategy.config.zero_optimization.offload_optimizer.buffer_count"
-                if user_config
-                else "strategy.optimizer_buffer_count"
-            )
-            check_optimizer_swap_buffers(key, swap["buffer_count"])
-        if isinstance(zero, dict):
-            self._check_swap_knobs(zero, user_config)
-        if not user_config and isinstance(zero, dict) and zero.get("stage") == 3:
-            threshold = (
-                DEFAULT_PERSISTENCE_THRESHOLD if param_persistence_threshold is None else param_persistence_threshold
-            )
-            if threshold < 0:
-                raise ConfigError(
-                    "strategy.param_persistence_threshold", threshold, "use a non-negative element count, e.g. 10000."
-                )
-            zero["stage3_param_persistence_threshold"] = int(threshold)
-
-    @staticmethod
-    def _check_swap_knobs(zero: dict[str, Any], user_config: bool) -> None:
-        """Refuse ZeRO-3 offload sizes DeepSpeed would reject deep inside engine set-up (keys as the user typed them).
-
-        Raises:
-            ConfigError: a non-integer or out-of-range ``sub_group_size``, ``offload_param.buffer_count``,
-                ``offload_param.buffer_size`` or ``offload_param.max_in_cpu``.
-        """
-        param = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
-        checks = [
-            (zero, "sub_group_size", "sub_group_size", 0),
-            (param, "buffer_count", "params_buffer_count", 1),
-            (param, "buffer_size", "params_buffer_size", 1),
-            (param, "max_in_cpu", "max_in_cpu", 0),
-        ]
-        for block, field, lightning_name, minimum in checks:
-            if field not in block:
-                continue
-            value = block[field]
-            if (
-                not isinstance(value, bool)
-                and isinstance(value, (int, float))
-                and value == int(value)
-                and value >= minimum
-            ):
-                continue
-            where = "offload_param." if block is param else ""
-            key = f"strategy.config.zero_optimization.{where}{field}" if user_config else f"strategy.{lightning_name}"
-            raise ConfigError(key, value, f"use a whole number >= {minimum}.")
+        # ZeRO-3 configs built from keyword arguments take our persistence threshold; a user's JSON is used as is.
+        ours = zero if not user_config and isinstance(zero, dict) and zero.get("stage") == 3 else None
+        if ours is not None:
+            ours["stage3_param_persistence_threshold"] = param_persistence_threshold
+        target = f"{type(self).__module__}.{type(self).__qualname__}"
+        #: What the config means; reading it checks it, so a size DeepSpeed would refuse fails here, before any fit.
+        self.spec: StrategySpec = deepspeed_config_spec(self.config, name=preset, target=target, from_json=user_config)
+        if ours is not None and self.spec.zero is not None:
+            ours["stage3_param_persistence_threshold"] = self.spec.zero.param_persistence_threshold  # as an int
 
     # ----------------------------------------------------------------- CPU support
     @property
@@ -265,19 +228,11 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     @property
     def zero_stage(self) -> int:
         """The ZeRO stage this strategy's config asks for (0 when ZeRO is off)."""
-        assert isinstance(self.config, dict)
-        zero = self.config.get("zero_optimization") or {}
-        return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+        return self.spec.zero_stage
 
     def offload_devices(self) -> dict[str, str]:
         """Where the config offloads optimizer states and parameters: ``{"optimizer": "cpu"|"nvme"|"none", ...}``."""
-        assert isinstance(self.config, dict)
-        zero = self.config.get("zero_optimization") or {}
-        out = {}
-        for kind, key in (("optimizer", "offload_optimizer"), ("param", "offload_param")):
-            node = zero.get(key) or {}
-            out[kind] = str(node.get("device", "none")) if isinstance(node, dict) else "none"
-        return out
+        return self.spec.offload
 
     @override
     def _format_config(self) -> None:

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.strategies.spec import StrategySpec, fsdp_spec
 
 __all__ = ["TrainOptFSDPStrategy", "apply_fully_shard"]
 
@@ -85,11 +86,12 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.preset = preset
+        target = f"{type(self).__module__}.{type(self).__qualname__}"
+        self.spec: StrategySpec = fsdp_spec(preset, target, cpu_offload, reshard_after_forward)
 
     def offload_devices(self) -> dict[str, str]:
         """``{"optimizer": ..., "param": ...}``: ``cpu`` for both with ``cpu_offload``."""
-        where = "cpu" if self.cpu_offload else "none"
-        return {"optimizer": where, "param": where}
+        return self.spec.offload
 
     @override
     def setup_environment(self) -> None:

@@ -13,28 +13,19 @@ from typing_extensions import override
 from lightning_trainopt.core.memory_accounting import MemoryBreakdown, memory_breakdown
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.strategies.builder import strategy_info
+from lightning_trainopt.strategies.spec import spec_of
 
 __all__ = ["StrategyReport", "strategy_offload"]
 
 
 def strategy_offload(strategy: Any) -> dict[str, str]:
-    """What a strategy offloads, as ``memory_breakdown``'s ``offload`` argument.
+    """What a strategy offloads, as ``memory_breakdown``'s ``offload`` argument (``{"params", "optimizer_states"}``).
 
-    Our strategies say so themselves (``offload_devices()``); any other DeepSpeed strategy (e.g. Lightning's own
-    ``DeepSpeedStrategy`` built by a user) is read from its ``zero_optimization`` config; everything else offloads
-    nothing.
+    Read from the strategy's :class:`~lightning_trainopt.strategies.spec.StrategySpec` (:func:`spec_of`): ours carry
+    one, any other DeepSpeed strategy (e.g. Lightning's own ``DeepSpeedStrategy`` built by a user) is read from its
+    config; everything else offloads nothing.
     """
-    devices = getattr(strategy, "offload_devices", None)
-    if callable(devices):
-        found = devices()
-        return {"params": found.get("param", "none"), "optimizer_states": found.get("optimizer", "none")}
-    config = getattr(strategy, "config", None)
-    zero = (config.get("zero_optimization") or {}) if isinstance(config, dict) else {}
-    out = {}
-    for name, key in (("params", "offload_param"), ("optimizer_states", "offload_optimizer")):
-        node = zero.get(key) or {}
-        out[name] = str(node.get("device", "none")) if isinstance(node, dict) else "none"
-    return out
+    return spec_of(strategy).offload_by_category
 
 
 def _module_of(strategy: Any) -> Any:

@@ -14,6 +14,9 @@ from lightning_trainopt.strategies import load_deepspeed_json
 from lightning_trainopt.strategies.deepspeed import TrainOptDeepSpeedStrategy
 from tests.helpers.compose import REPO_ROOT, compose_config
 
+# The strategy classes a node names (its `_target_` is imported to read the class's kind and defaults).
+OURS = "lightning_trainopt.strategies.TrainOptDeepSpeedStrategy"
+LIGHTNINGS = "lightning.pytorch.strategies.DeepSpeedStrategy"
 # The reviewer's file (issue #6): ZeRO-3, optimizer and parameters on the CPU, 32 sequences per optimizer step.
 DS3 = {
     "train_batch_size": 32,
@@ -93,9 +96,7 @@ def test_a_json_equal_to_a_preset_plans_the_same_bytes(tmp_path):
 
 
 def test_deepspeed_defaults_apply_to_what_the_json_leaves_out():
-    layout = strategy_layout(
-        {"_target_": "x.TrainOptDeepSpeedStrategy", "config": {"zero_optimization": {"stage": 2}}}, 4
-    )
+    layout = strategy_layout({"_target_": OURS, "config": {"zero_optimization": {"stage": 2}}}, 4)
     # DeepSpeed's own defaults (runtime/zero/config.py), not Lightning's keyword defaults (2e8, overlap_comm=True).
     assert layout.zero_stage == 2
     assert layout.reduce_bucket_size == 500_000_000
@@ -113,7 +114,7 @@ def test_deepspeed_defaults_apply_to_what_the_json_leaves_out():
     ],
 )
 def test_offload_devices_are_read_from_the_json(zero, expected):
-    layout = strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", "config": {"zero_optimization": zero}}, 2)
+    layout = strategy_layout({"_target_": OURS, "config": {"zero_optimization": zero}}, 2)
     assert (layout.offload_optimizer, layout.offload_params) == expected
 
 
@@ -125,7 +126,7 @@ def test_stage3_knobs_are_read_by_name_or_alias():
         "max_live_parameters": 100,
         "stage3_max_reuse_distance": 5,
     }
-    layout = strategy_layout({"_target_": "x.DeepSpeedStrategy", "config": {"zero_optimization": zero}}, 2)
+    layout = strategy_layout({"_target_": LIGHTNINGS, "config": {"zero_optimization": zero}}, 2)
     assert (layout.param_persistence_threshold, layout.prefetch_bucket_size) == (1234, 7_000_000)
     assert (layout.max_live_parameters, layout.max_reuse_distance) == (100, 5)
     assert layout.overlap_comm is True  # DeepSpeed's stage-3 default
@@ -138,10 +139,10 @@ def test_infinity_buffer_knobs_are_read_from_the_json_with_deepspeed_defaults():
         "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6},
         "offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 2e7, "max_in_cpu": 0},
     }
-    layout = strategy_layout({"_target_": "x.DeepSpeedStrategy", "config": {"zero_optimization": zero}}, 2)
+    layout = strategy_layout({"_target_": LIGHTNINGS, "config": {"zero_optimization": zero}}, 2)
     assert (layout.sub_group_size, layout.optimizer_buffer_count) == (500_000_000, 6)
     assert (layout.params_buffer_count, layout.params_buffer_size, layout.max_in_cpu) == (3, 20_000_000, 0)
-    bare = strategy_layout({"_target_": "x.DeepSpeedStrategy", "config": {"zero_optimization": {"stage": 3}}}, 2)
+    bare = strategy_layout({"_target_": LIGHTNINGS, "config": {"zero_optimization": {"stage": 3}}}, 2)
     assert bare.sub_group_size == 1_000_000_000  # DeepSpeed's default, not Lightning's 1e12
     assert (bare.optimizer_buffer_count, bare.params_buffer_count, bare.params_buffer_size) == (4, 5, 100_000_000)
     assert bare.max_in_cpu == 1_000_000_000
@@ -193,7 +194,7 @@ def test_infinity_buffer_knobs_are_read_from_a_preset_node():
 )
 def test_bad_infinity_buffer_knobs_are_refused_with_the_key(node, key):
     with pytest.raises(ConfigError, match=key):
-        strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **node}, 2)
+        strategy_layout({"_target_": OURS, **node}, 2)
 
 
 _NVME = {"device": "nvme", "nvme_path": "/tmp"}
@@ -216,11 +217,11 @@ def test_fewer_optimizer_swap_buffers_than_adam_takes_are_refused(node, key):
     # DeepSpeed's swap_in_optimizer_state takes 4 pinned buffers at once (fp32 weights, 2 moments, gradient); with 3
     # the first optimizer step fails on an assertion, after a whole forward and backward.
     with pytest.raises(ConfigError, match="swaps 4 tensors") as err:
-        strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **node}, 2)
+        strategy_layout({"_target_": OURS, **node}, 2)
     assert err.value.key == key
     # CPU offload has no swap buffers: the count is not used, so 3 passes there.
     cpu = {"stage": 3, "offload_optimizer": True, "offload_optimizer_device": "cpu", "optimizer_buffer_count": 3}
-    assert strategy_layout({"_target_": "x.TrainOptDeepSpeedStrategy", **cpu}, 2).offload_optimizer == "cpu"
+    assert strategy_layout({"_target_": OURS, **cpu}, 2).offload_optimizer == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -153,6 +153,33 @@ def test_nvme_path_checks(monkeypatch, tmp_path):
     preflight(PreflightInput(strategy=ok, accelerator="cpu", n_params=1_000_000))
 
 
+def test_nvme_paths_of_a_users_json_are_each_checked_under_their_own_key(monkeypatch, tmp_path):
+    monkeypatch.setattr(pf, "_async_io_ok", lambda: True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+    def strategy(param_path):
+        zero = {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+            "offload_param": {"device": "nvme", "nvme_path": str(param_path)},
+        }
+        return {**preset("deepspeed_json"), "config": {"zero_optimization": zero}}
+
+    with pytest.raises(ConfigError) as err:
+        preflight(PreflightInput(strategy=strategy(tmp_path / "nope"), accelerator="cpu"))
+    assert err.value.key == "strategy.config.zero_optimization.offload_param.nvme_path"
+    # Each drive needs room for what goes to it: 12 B/param of optimizer states on a, 2 B/param of weights on b.
+    n_params = 1_000_000_000
+    free = {str(tmp_path / "a"): 12 * n_params, str(tmp_path / "b"): 2 * n_params}
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free[str(path)]}))
+    preflight(PreflightInput(strategy=strategy(tmp_path / "b"), accelerator="cpu", n_params=n_params))
+    free[str(tmp_path / "b")] -= 1
+    with pytest.raises(ConfigError, match="GiB free") as err:
+        preflight(PreflightInput(strategy=strategy(tmp_path / "b"), accelerator="cpu", n_params=n_params))
+    assert err.value.key == "strategy.config.zero_optimization.offload_param.nvme_path"
+
+
 def test_fsdp1_on_cpu_refused():
     strategy = {"_target_": "lightning.pytorch.strategies.FSDPStrategy", "name": "fsdp1"}
     with pytest.raises(IncompatibleConfigError, match="non-CPU"):

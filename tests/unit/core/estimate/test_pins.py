@@ -26,10 +26,12 @@ from lightning_trainopt.core.estimate import (
     Term,
     estimate_model_states,
     estimate_plan,
+    gpt_param_groups,
     rank_candidates,
     search_plans,
 )
 from lightning_trainopt.core.model_shape import GPTConfig
+from lightning_trainopt.exceptions import ConfigError
 
 ADAMW = OPTIMIZER_STATES["adamw"]
 
@@ -323,3 +325,27 @@ def test_autocast_and_compute_dtype_of_a_plan(precision, kind, stage, autocast, 
     labels = {t.label for t in estimate_plan(replace(inputs, seq_len=64), None, None, None).memory.terms}
     # Only autocast saves a half copy of every Linear weight for backward.
     assert ("autocast half weight copies" in labels) is autocast
+
+
+def test_gpt_param_groups_list_every_matrix_and_norm_weight_once():
+    # Embedding 100 x 8; per block q, k, v, o 8 x 8 (2 kv heads of 4) and gate, up, down 8 x 16; norm weights of 8:
+    # two per block and the final one. Tied: 800 + 640 + 24 = 1,464 = n_params; untied adds the 800-element head.
+    assert gpt_param_groups(ONE_BLOCK) == [[800, 64, 64, 64, 64, 128, 128, 128], [8, 8, 8]]
+    assert sum(map(sum, gpt_param_groups(ONE_BLOCK))) == ONE_BLOCK.n_params() == 1464
+    untied = replace(ONE_BLOCK, tie_embeddings=False)
+    assert gpt_param_groups(untied) == [[800, 64, 64, 64, 64, 128, 128, 128, 800], [8, 8, 8]]
+    assert sum(map(sum, gpt_param_groups(untied))) == untied.n_params() == 2264
+
+
+def test_plan_keeps_the_headroom_share_of_the_device_free():
+    # 5% of 1,000,000 bytes kept free: the peak must fit 950,000.
+    inputs = PlanInputs(ONE_BLOCK, micro_batch=1, seq_len=4)
+    peak = estimate_plan(inputs, None, None, None).peak_device_bytes
+    e = estimate_plan(inputs, 1_000_000, None, None, headroom_fraction=0.05)
+    assert e.headroom_bytes == 50_000
+    assert e.margin_bytes == 950_000 - peak
+    # One byte more than the peak fits only without a headroom.
+    assert estimate_plan(inputs, peak + 1, None, None).device_fits is True
+    assert estimate_plan(inputs, peak + 1, None, None, headroom_fraction=0.05).device_fits is False
+    with pytest.raises(ConfigError, match="plan.headroom_fraction"):
+        estimate_plan(inputs, 1_000_000, None, None, headroom_fraction=1.0)
