@@ -349,3 +349,15 @@ def test_plan_keeps_the_headroom_share_of_the_device_free():
     assert estimate_plan(inputs, peak + 1, None, None, headroom_fraction=0.05).device_fits is False
     with pytest.raises(ConfigError, match="plan.headroom_fraction"):
         estimate_plan(inputs, 1_000_000, None, None, headroom_fraction=1.0)
+
+
+def test_plan_passes_the_accumulation_to_the_model_states():
+    # ZeRO-1 keeps the full bf16 .grad between accumulation boundaries: 2 B x 1,464 parameters = 2,928 bytes.
+    zero1 = StrategyLayout("zero1", "deepspeed", 1)
+
+    def boundary_grads(accumulate: int) -> list[int]:
+        inputs = PlanInputs(ONE_BLOCK, layout=zero1, micro_batch=1, seq_len=4, accumulate=accumulate, devices=2)
+        return [t.nbytes for t in estimate_plan(inputs, None, None, None).memory.terms if "between" in t.label]
+
+    assert boundary_grads(4) == [2928]
+    assert boundary_grads(1) == []
