@@ -9,6 +9,7 @@ from typing import Any
 
 __all__ = [
     "ConfigError",
+    "ConfigKeysError",
     "IncompatibleConfigError",
     "MissingDependencyError",
     "TrainOptError",
@@ -35,6 +36,36 @@ class ConfigError(TrainOptError, ValueError):
         self.value = value
         self.fix = fix
         super().__init__(f"{key}={value!r} is invalid: {fix}")
+
+
+class ConfigKeysError(ConfigError):
+    """Config keys that do not fit what they are passed to, all reported at once.
+
+    ``key``, ``value`` and ``fix`` are those of the first; the message has one line per key,
+    ``key=value: fix`` (``key=???`` for an argument that is missing).
+
+    Args:
+        problems: ``(key, value, fix)`` for each key, e.g. ``("optimizer.betaz", [0.9, 0.9], "unknown argument of
+            torch.optim.AdamW; did you mean betas?")``; at least one.
+    """
+
+    def __init__(self, problems: list[tuple[str, Any, str]]) -> None:
+        self.problems = list(problems)
+        self.key, self.value, self.fix = self.problems[0]
+        lines = [
+            f"{key}={'???' if isinstance(value, str) and value == '???' else repr(value)}: {fix}"
+            for key, value, fix in self.problems
+        ]
+        if len(lines) == 1:
+            message = lines[0]
+        else:
+            message = f"{len(lines)} config keys do not fit their targets:" + "".join(f"\n  {line}" for line in lines)
+        ValueError.__init__(self, message)
+
+
+def _shown(value: Any) -> str:
+    """A value as the user would type it back: ``repr``, except OmegaConf's mark of a missing value, ``???``."""
+    return "???" if isinstance(value, str) and value == "???" else repr(value)
 
 
 class IncompatibleConfigError(TrainOptError, ValueError):

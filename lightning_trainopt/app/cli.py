@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ import hydra
 # conf/hydra/default.yaml then routes that logger to Hydra's handlers. Imported later (inside the task), the handler
 # would be added after Hydra's set-up and every Lightning line would print twice.
 import lightning.pytorch  # noqa: F401
-from hydra.errors import InstantiationException
+from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig
 
 from lightning_trainopt.app.multirun import (
@@ -31,13 +34,26 @@ from lightning_trainopt.app.multirun import (
 )
 from lightning_trainopt.exceptions import TrainOptError
 
-__all__ = ["CONFIG_DIR", "keep_earlier_hydra_record", "plan_main", "run_hydra", "train_main", "user_error"]
+__all__ = [
+    "CONFIG_DIR",
+    "hydra_error_line",
+    "keep_earlier_hydra_record",
+    "plan_main",
+    "run_hydra",
+    "train_main",
+    "user_error",
+]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 log = logging.getLogger(__name__)
 
 _STAMP = "%Y-%m-%d_%H-%M-%S"
+
+# Hydra's messages for an override it cannot apply (hydra-core 1.3).
+_NOT_IN_DEFAULTS = re.compile(r"Could not override '([^']+)'\. No match in the defaults list\.\n.* use (\+\S+)")
+_NOT_IN_CONFIG = re.compile(r"Could not override '([^']+)'\.\nTo append to your config use \+(\S+)")
+_ALREADY_THERE = re.compile(r"Could not append to config\. An item is already at '([^']+)'\.\n.*prefix: '([^']+)'")
 
 
 def _in_multirun() -> bool:
@@ -129,6 +145,81 @@ def user_error(err: BaseException) -> TrainOptError | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+def hydra_error_line(err: BaseException) -> str | None:
+    """The ``error:`` line for a Hydra error that a command-line override caused; ``None`` for any other error.
+
+    * ``strategy=zero3``, a group that is not in the defaults list: use ``+strategy=zero3``;
+    * ``trainer.max_step=20``, a key the config lacks: the nearest argument of what its node is passed to
+      (``did you mean max_steps?``), or ``+`` for an argument that is valid but not in the config yet;
+    * ``+trainer.max_steps=5``, a ``+`` for a key the config has: drop the ``+``;
+    * ``model=nope``, no such preset: the nearest preset and the list of the group's presets.
+    """
+    from lightning_trainopt.app.config_keys import missing_key_fix
+    from lightning_trainopt.app.validate import APP_TRAINER_KEYS
+
+    text = str(err)
+    if isinstance(err, MissingConfigException):
+        if not err.options or not err.missing_cfg_file or "/" not in err.missing_cfg_file:
+            return None
+        group, _, name = err.missing_cfg_file.rpartition("/")
+        close = difflib.get_close_matches(name, list(err.options), n=1, cutoff=0.6)
+        hint = f"did you mean {group}={close[0]}? " if close else ""
+        return f"{group}={name}: no such preset; {hint}conf/{group}/ has {', '.join(err.options)}."
+    if not isinstance(err, ConfigCompositionException):
+        return None
+    if match := _NOT_IN_DEFAULTS.match(text):
+        group, fixed = match.groups()
+        return f"{fixed[1:]}: {group} is not in the defaults list; add it with a +: {fixed}"
+    if match := _ALREADY_THERE.match(text):
+        key, override = match.groups()
+        return f"+{override}: {key} is already in the config; override it without the +: {override}"
+    match = _NOT_IN_CONFIG.match(text)
+    cause = err.__cause__
+    if match is None or cause is None or not isinstance(getattr(cause, "full_key", None), str):
+        return None
+    override = match.group(2)
+    path = str(getattr(cause, "full_key", ""))
+    key = path.rpartition(".")[2]
+    if path.startswith("trainer.") and path.count(".") == 1 and key in APP_TRAINER_KEYS:
+        return f"{override}: train.py sets this Trainer argument; {APP_TRAINER_KEYS[key]}"
+    return f"{override}: {missing_key_fix(path, getattr(cause, 'parent_node', None), override)}"
+
+
+@contextmanager
+def _hydra_errors_as_one_line() -> Iterator[None]:
+    """Report what :func:`hydra_error_line` translates as one ``error:`` line with exit code 2, not Hydra's report.
+
+    Hydra composes the config, and reports a failure to, through ``hydra._internal.utils.run_and_report``: the only
+    place its composition errors can be caught under ``@hydra.main``. It is private, so it is wrapped here only, and
+    left as it is if a Hydra version lacks it; the original is restored on exit.
+    """
+    import hydra._internal.utils as hydra_utils
+
+    report = getattr(hydra_utils, "run_and_report", None)
+    if report is None:
+        yield
+        return
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        def translated() -> Any:
+            try:
+                return func()
+            except Exception as err:
+                line = hydra_error_line(err)
+                if line is None:
+                    raise
+                print(f"error: {line}", file=sys.stderr)
+                sys.exit(2)
+
+        return report(translated)
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = report
 
 
 def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
@@ -241,7 +332,8 @@ def run_hydra(task: Callable[[DictConfig], Any], config_name: str) -> None:
     """Run ``task`` under ``@hydra.main`` with this repository's ``conf/`` tree; user errors are reported plainly."""
     apply_child_command()
     sys.argv = keep_earlier_hydra_record(sys.argv)
-    hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
+    with _hydra_errors_as_one_line():
+        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
 
 
 def train_main() -> None:

@@ -48,7 +48,10 @@ def plan_choices(cfg: DictConfig) -> dict[str, str]:
     for group in ("model", "precision", "strategy", "activations", "optimizer", "hardware"):
         name = given.get(group) or runtime.get(group)
         if name is None and group in ("model", "precision", "strategy") and cfg.get(group) is not None:
-            name = cfg[group].get("name")
+            node = cfg[group]
+            name = node.get("preset" if group == "strategy" else "name")
+            if name is None and group == "strategy":  # ddp: DDPStrategy takes no preset, so it goes by its class
+                name = str(node.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("Strategy").lower()
         if name is not None and str(name) not in ("null", "None"):
             out[group] = str(name)
     return out

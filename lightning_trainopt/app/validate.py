@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_trainopt.app.config_keys import check_config_keys
 from lightning_trainopt.core.schedules import check_warmup_cosine
 from lightning_trainopt.exceptions import ConfigError
 
@@ -307,7 +308,10 @@ def _check_run(cfg: DictConfig) -> None:
 def validate_config(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for the first nonsense value, naming the key, the value and the fix.
 
-    Covers what a typo or a bad sweep produces, before anything is built, spawned or logged: Trainer arguments
+    First every key is bound to the signature of what it is passed to (:func:`check_config_keys`: each ``_target_``
+    node's keys to its target, the ``trainer`` keys to Lightning's ``Trainer``), and all keys that do not fit are
+    reported at once, each with the nearest valid name. Then the values: what a typo or a bad sweep produces, before
+    anything is built, spawned or logged: Trainer arguments
     (including those train.py sets from other groups), devices and accelerator on this machine, optimizer and
     schedule hyper-parameters, data and model sizes, the text corpus path, hardware prices, seed and run flags,
     and fp16 on CPU. Arguments of callbacks and data modules are also checked in their ``__init__``.
@@ -316,8 +320,10 @@ def validate_config(cfg: DictConfig) -> None:
         cfg: the composed config of ``conf/train.yaml`` (or ``conf/plan.yaml``).
 
     Raises:
+        ConfigKeysError: keys that their targets do not take, or required arguments missing (all of them).
         ConfigError: the first invalid value found.
     """
+    check_config_keys(cfg)
     trainer = cfg.trainer
     accelerator = _check_trainer(trainer)
     _check_run(cfg)

@@ -101,6 +101,42 @@ def test_sweep_goes_on_past_refused_jobs_and_writes_its_summary(tmp_path):
     assert [row["status"] for row in rows] == ["refused", "refused"]
 
 
+@pytest.mark.parametrize(
+    ("script", "args", "line"),
+    [
+        # Hydra's own errors (the config does not compose) and a key Hydra accepts that no target takes.
+        (
+            "train.py",
+            ["strategy=zero3"],
+            "strategy=zero3: strategy is not in the defaults list; add it with a +: +strategy=zero3",
+        ),
+        (
+            "train.py",
+            ["trainer.max_step=20"],
+            "trainer.max_step=20: unknown argument of lightning.pytorch.Trainer; did you mean max_steps?",
+        ),
+        (
+            "train.py",
+            ["+data.batchsize=8"],
+            "data.batchsize=8: unknown argument of lightning_trainopt.data.TextDataModule; did you mean batch_size?",
+        ),
+        (
+            "plan.py",
+            ["+optimizer.betaz=[0.9,0.9]"],
+            "optimizer.betaz=[0.9, 0.9]: unknown argument of torch.optim.AdamW; did you mean betas?",
+        ),
+    ],
+)
+def test_a_misspelt_override_exits_2_with_one_line_and_the_fix(tmp_path, script, args, line):
+    cmd = [sys.executable, script, *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=child_env(REPO_ROOT))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
+    assert errors == [f"error: {line}"], proc.stderr[-3000:]
+    for hydra_report in ("Traceback", "TypeError", "HYDRA_FULL_ERROR", "Could not override"):
+        assert hydra_report not in proc.stderr
+
+
 def test_an_existing_run_directory_keeps_its_hydra_record(tmp_path):
     when = datetime(2026, 11, 30, 18, 5, 9)
     argv = ["train.py", f"hydra.run.dir={tmp_path}", "ckpt_path=last"]

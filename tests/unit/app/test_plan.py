@@ -215,7 +215,7 @@ def test_the_printed_command_composes_to_the_planned_model_data_and_trainer(tmp_
     assert train_cfg.trainer.devices == i.devices
     assert train_cfg.trainer.accumulate_grad_batches == i.accumulate
     assert train_cfg.hardware.price_per_device_hour == 2.0
-    assert train_cfg.strategy.name == "zero2"
+    assert train_cfg.strategy.preset == "zero2"
     assert train_cfg.precision.trainer_precision == i.trainer_precision
 
 
@@ -234,7 +234,7 @@ def test_the_search_winner_command_composes_with_the_winners_groups(tmp_path):
     assert train_cfg.data.batch_size == win.micro_batch
     assert train_cfg.trainer.accumulate_grad_batches == win.accumulate
     assert train_cfg.precision.trainer_precision == win.trainer_precision
-    assert (train_cfg.get("strategy") or {}).get("name", "ddp") == result.winner.choices["strategy"]
+    assert (train_cfg.get("strategy") or {}).get("preset", "ddp") == result.winner.choices["strategy"]
 
 
 def test_search_enumerates_exactly_what_train_py_accepts(tmp_path):
