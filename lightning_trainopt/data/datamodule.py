@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_trainopt.data.corpus import read_text_corpus, stdlib_files, user_text_files
+from lightning_trainopt.data.resumable_loader import ResumableDataLoader
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["PackedSequences", "TextDataModule"]
@@ -48,7 +49,10 @@ class TextDataModule(pl.LightningDataModule):
         vocab_size: token ids for ``synthetic`` (text corpora are bytes, 0..255).
         num_workers, pin_memory, prefetch_factor, persistent_workers: DataLoader knobs; ``pin_memory`` only
             takes effect on CUDA.
-        seed: seed of the synthetic tokens and of the training shuffle.
+        seed: seed of the synthetic tokens and of the training shuffle (epoch ``e`` is shuffled with ``seed + e``).
+
+    The training loader is a :class:`ResumableDataLoader`: it shards the data over the strategy's data-parallel
+    ranks itself, and a checkpoint saves its position in the epoch, so a run killed mid-epoch resumes exactly.
 
     Example::
 
@@ -144,30 +148,44 @@ class TextDataModule(pl.LightningDataModule):
         self.train_set = PackedSequences(tokens[:-n_val], self.seq_len)
         self.val_set = PackedSequences(tokens[-n_val:], self.seq_len)
 
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        kwargs: dict[str, Any] = {}
+    def _loader_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory and torch.cuda.is_available(),
+        }
         if self.num_workers > 0:
             kwargs["persistent_workers"] = self.persistent_workers
             if self.prefetch_factor is not None:
                 kwargs["prefetch_factor"] = self.prefetch_factor
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            generator=generator,
-            **kwargs,
-        )
+        return kwargs
+
+    def data_options(self) -> dict[str, Any]:
+        """The options that decide which sequences the training set holds, saved with the loader's position."""
+        options: dict[str, Any] = {"corpus": self.corpus, "seq_len": self.seq_len, "val_fraction": self.val_fraction}
+        if self.corpus == "synthetic":
+            options.update(synthetic_tokens=self.synthetic_tokens, vocab_size=self.vocab_size)
+        else:
+            options["max_bytes"] = self.max_bytes
+        return options
 
     @override
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
+        """A :class:`ResumableDataLoader` over the data-parallel ranks; a checkpoint saves its position."""
         assert self.train_set is not None
-        return self._loader(self.train_set, shuffle=True)
+        sharding = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+        return ResumableDataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            num_replicas=sharding.get("num_replicas", 1),
+            rank=sharding.get("rank", 0),
+            data_options=self.data_options(),
+            # Worker seeds come from this generator, not from the global RNG (which the model may draw from).
+            generator=torch.Generator().manual_seed(self.seed),
+            **self._loader_kwargs(),
+        )
 
     @override
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
-        return self._loader(self.val_set, shuffle=False)
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, **self._loader_kwargs())
