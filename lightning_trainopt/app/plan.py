@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +27,13 @@ from lightning_trainopt.app.plan_inputs import (
     validate_like_train,
 )
 from lightning_trainopt.app.plan_report import (
-    model_flops_per_token,
     override_keys,
     plan_choices,
     seq_len_note,
     train_command,
 )
+from lightning_trainopt.app.plan_result import DEFAULT_HFU, PlanResult
 from lightning_trainopt.core.estimate import (
-    LOCATIONS,
-    Candidate,
     PlanEstimate,
     PlanInputs,
     StrategyLayout,
@@ -43,148 +41,16 @@ from lightning_trainopt.core.estimate import (
     search_plans,
     textbook_model_state_bytes,
 )
+from lightning_trainopt.core.estimate.offload_time import Bandwidths
 from lightning_trainopt.core.estimate.search import best_per_configuration, simplicity
-from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key
+from lightning_trainopt.core.hardware import compute_dtype_key
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["PlanResult", "plan", "plan_task"]
 
 _DEFAULT_CONF = Path(__file__).resolve().parents[2] / "conf"
 # The `plan` node's defaults (conf/plan.yaml), also used when plan(cfg) is called on a config without that node.
-_DEFAULTS = {"mfu": 0.4, "target_tokens": 1e9, "headroom_fraction": 0.05, "top_k": 10}
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    """What ``plan(cfg)`` returns.
-
-    Args:
-        estimate: the planner's answer for the configuration as given.
-        hardware: the device planned for.
-        choices: config group -> preset name of the given configuration (for the ``train.py`` command).
-        command: the ``python train.py ...`` command of the configuration (or of the search winner).
-        candidates: with ``plan.search=true``, the fitting configurations ranked best first, one per configuration
-            (precision, strategy, activations, optimizer), each at its best micro-batch and accumulation.
-        n_enumerated: with ``plan.search=true``, how many estimates were made (configuration x micro-batch).
-        textbook: the design articles' 16 B/param accounting of the same model, for comparison.
-        top_k: rows of the search ranking to show (``plan.top_k``).
-        next_step: when the configuration does not fit, what to do instead (more devices or a sharded strategy
-            that fits, else ``plan.search=true``); empty when it fits or the device memory is unknown.
-        mfu: the utilisation assumed for the FLOPs model (``plan.mfu``).
-        seq_len_default_of: the data preset whose default ``seq_len`` is planned; empty when ``data.seq_len`` was
-            set.
-        seq_len_note: what to do when that default is far below the model's ``max_seq_len``; else empty.
-
-    Example::
-
-        result = plan(cfg)
-        result.to_dict()["per_device_bytes"]["total"]
-    """
-
-    estimate: PlanEstimate
-    hardware: HardwareSpec
-    choices: dict[str, str]
-    command: str
-    candidates: list[Candidate] = field(default_factory=list)
-    n_enumerated: int = 0
-    textbook: dict[str, dict[str, int]] = field(default_factory=dict)
-    top_k: int = 10
-    next_step: str = ""
-    mfu: float = _DEFAULTS["mfu"]
-    seq_len_default_of: str = ""
-    seq_len_note: str = ""
-
-    @property
-    def winner(self) -> Candidate | None:
-        return self.candidates[0] if self.candidates else None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe view (``plan.format=json``)."""
-        out = _estimate_dict(self.estimate)
-        out.update(
-            {
-                "hardware": self.hardware.name,
-                "choices": dict(self.choices),
-                "command": self.command,
-                "next_step": self.next_step or None,
-                "seq_len_default": bool(self.seq_len_default_of),
-                "seq_len_note": self.seq_len_note or None,
-                "textbook_model_state_bytes": self.textbook,
-            }
-        )
-        if self.candidates or self.n_enumerated:
-            out["search"] = {
-                "n_enumerated": self.n_enumerated,
-                "n_fit": len(self.candidates),
-                "top": [
-                    {
-                        "choices": c.choices,
-                        "micro_batch": c.estimate.inputs.micro_batch,
-                        "accumulate": c.estimate.inputs.accumulate,
-                        "reason": c.reason,
-                        **_estimate_dict(c.estimate),
-                    }
-                    for c in self.candidates[: self.top_k]
-                ],
-            }
-        return out
-
-
-_STATE_CATEGORIES = ("params", "grads", "optimizer_states")
-
-
-def _estimate_dict(e: PlanEstimate) -> dict[str, Any]:
-    mem = e.memory
-    return {
-        "n_params": e.inputs.model.n_params(),
-        "world_size": e.inputs.world_size,
-        "micro_batch": e.inputs.micro_batch,
-        "seq_len": e.inputs.seq_len,
-        "per_device_bytes": mem.per_device(),
-        "peak_bytes": e.peak_device_bytes,
-        "cpu_bytes": mem.bytes(location="cpu"),
-        "nvme_bytes": mem.bytes(location="nvme"),
-        # Host RAM of one node: the offloaded bytes of its ranks against it (the verdict is part of `fits`).
-        "host_bytes_per_node": e.host_bytes_per_node,
-        "host_memory_bytes": e.host_memory_bytes,
-        "host_fits": e.host_fits,
-        "device_fits": e.device_fits,
-        # Resident bytes, as metrics.json's memory_breakdown snapshot (just before optimizer.step()) sees them.
-        "memory_breakdown": {
-            c: {loc: mem.bytes(c, loc, resident_only=True) for loc in LOCATIONS} for c in _STATE_CATEGORIES
-        },
-        # The same categories' bytes that exist only during backward or inside optimizer.step() (DeepSpeed's fp32
-        # gradient partition): counted in peak_bytes, absent from a snapshot.
-        "memory_transient": {
-            c: {loc: mem.bytes(c, loc) - mem.bytes(c, loc, resident_only=True) for loc in LOCATIONS}
-            for c in _STATE_CATEGORIES
-        },
-        "device_memory_bytes": e.device_memory_bytes,
-        "fits": e.fits,
-        "headroom_bytes": e.headroom_bytes,
-        "margin_bytes": e.margin_bytes,
-        "model_flops_per_token": model_flops_per_token(e.inputs),
-        "train_flops_per_token": e.train_flops_per_token,
-        "tokens_per_sec_per_device": e.speed.tokens_per_sec_per_device,
-        "step_time_s": e.speed.step_time_s,
-        "usd_per_1b_tokens": e.speed.usd_per_1b_tokens,
-        "hours_to_target": e.speed.hours_to_target,
-        "usd_to_target": e.speed.usd_to_target,
-        "speed_source": e.speed.source,
-        "speed_measured": e.speed.source.startswith("measured"),
-        "adam_path": e.inputs.adam_path,
-        "terms": [
-            {
-                "category": t.category,
-                "location": t.location,
-                "label": t.label,
-                "bytes": t.nbytes,
-                "formula": t.formula,
-                "phase": t.phase,
-            }
-            for t in mem.terms
-        ],
-    }
+_DEFAULTS = {"hfu": DEFAULT_HFU, "target_tokens": 1e9, "headroom_fraction": 0.05, "top_k": 10}
 
 
 def _plain(node: Any) -> Any:
@@ -387,7 +253,8 @@ def plan(cfg: DictConfig) -> PlanResult:
     """
     plan_cfg = cfg.get("plan") or OmegaConf.create({})
     top_k = _check_top_k(plan_cfg.get("top_k", _DEFAULTS["top_k"]))
-    mfu, target = _plan_number(plan_cfg, "mfu"), _plan_number(plan_cfg, "target_tokens")
+    _refuse_mfu(plan_cfg.get("mfu"))
+    hfu, target = _plan_number(plan_cfg, "hfu"), _plan_number(plan_cfg, "target_tokens")
     headroom = _plan_number(plan_cfg, "headroom_fraction")
     search = plan_cfg.get("search", False)
     if not isinstance(search, bool):
@@ -400,6 +267,12 @@ def plan(cfg: DictConfig) -> PlanResult:
     base = build_plan_inputs(cfg, choices.get("activations", "none"))
     inputs = replace(base, adam_path=adam_path(base))
     measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs, on_cuda)
+    bandwidths = Bandwidths(
+        hardware.pcie_bytes_per_s,
+        hardware.memory_bytes_per_s,
+        hardware.nvme_bytes_per_s,
+        hardware.cpu_adam_params_per_s,
+    )
 
     def run(i: PlanInputs) -> PlanEstimate:
         # A measured speed belongs to the configuration that ran; every other candidate keeps the FLOPs model.
@@ -410,12 +283,13 @@ def plan(cfg: DictConfig) -> PlanResult:
             hardware.memory_bytes,
             peak,
             hardware.price_per_device_hour,
-            mfu,
+            hfu,
             target,
             tps,
             headroom,
             hardware.host_memory_bytes,
             device_is_host=not on_cuda,
+            bandwidths=bandwidths,
         )
 
     est = run(inputs)
@@ -435,7 +309,7 @@ def plan(cfg: DictConfig) -> PlanResult:
             textbook=textbook,
             top_k=top_k,
             next_step=nxt,
-            mfu=mfu,
+            hfu=hfu,
             seq_len_default_of=default_of,
             seq_len_note=note,
         )
@@ -464,10 +338,26 @@ def plan(cfg: DictConfig) -> PlanResult:
         n_enum,
         textbook,
         top_k=top_k,
-        mfu=mfu,
+        hfu=hfu,
         seq_len_default_of=default_of,
         seq_len_note=note,
     )
+
+
+def _refuse_mfu(value: Any) -> None:
+    """``plan.mfu`` was renamed ``plan.hfu``: the fraction was always applied to the FLOPs executed.
+
+    Raises:
+        ConfigError: ``plan.mfu`` is set.
+    """
+    if value is not None:
+        raise ConfigError(
+            "plan.mfu",
+            value,
+            f"it is now plan.hfu: the fraction of the peak applies to the FLOPs executed, recomputation included (a "
+            f"hardware FLOPs utilisation); use plan.hfu={value}. The model FLOPs utilisation a plan implies is "
+            "printed beside it (JSON mfu).",
+        )
 
 
 def _check_top_k(value: Any) -> int:

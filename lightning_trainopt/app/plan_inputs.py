@@ -178,7 +178,8 @@ def hardware_from_cfg(node: Any) -> HardwareSpec:
     peaks = node.get("peak_tflops")
     if peaks is not None and not isinstance(peaks, dict):
         raise ConfigError("hardware.peak_tflops", peaks, "use a mapping of dtype to TFLOP/s, e.g. {bf16: 800}.")
-    keys = ("name", "price_per_device_hour", "peak_tflops", "memory_gb", "host_memory_gb")
+    keys: tuple[str, ...] = ("name", "price_per_device_hour", "peak_tflops", "memory_gb", "host_memory_gb")
+    keys += ("pcie_gb_per_s", "memory_gb_per_s", "nvme_gb_per_s", "cpu_adam_params_per_s")  # checked by hardware_spec
     kwargs = {k: node[k] for k in keys if k in node}
     target = node.get("_target_")
     if target and not str(target).endswith("hardware_spec"):

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from lightning_trainopt.core.flops import transformer_flops
+from lightning_trainopt.app.plan_result import model_flops_per_token
 from lightning_trainopt.core.hardware import compute_dtype_key
 
 if TYPE_CHECKING:
-    from lightning_trainopt.app.plan import PlanResult
+    from lightning_trainopt.app.plan_result import PlanResult
     from lightning_trainopt.core.estimate import PlanEstimate, PlanInputs
     from lightning_trainopt.core.hardware import HardwareSpec
 
@@ -112,12 +113,6 @@ def seq_len_note(inputs: PlanInputs, default_of: str) -> str:
         f"{m.max_seq_len} tokens (model.max_seq_len), and activation memory and attention FLOPs grow with the "
         f"length. To plan the length you will train at, add data.seq_len=<tokens>, e.g. data.seq_len={m.max_seq_len}."
     )
-
-
-def model_flops_per_token(inputs: PlanInputs) -> float:
-    """Model FLOPs of forward + backward per token (3 x forward, the numerator of MFU), without recomputation."""
-    tokens = inputs.micro_batch * inputs.seq_len
-    return transformer_flops(inputs.model, inputs.seq_len, inputs.micro_batch).train / tokens
 
 
 def train_command(
@@ -239,8 +234,9 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     s = e.speed
     console.print(
         f"speed: {_flops_line(e)}; {_speed_source(result)}\n"
-        f"  -> {_human(s.tokens_per_sec_per_device, ' tok/s')} per device, step {_human(s.step_time_s, ' s')}, "
-        f"${_human(s.usd_per_1b_tokens)} per 1B tokens; target: {_human(s.hours_to_target, ' h')}, "
+        f"{_step_line(e, hw)}"
+        f"  -> {_human(s.tokens_per_sec_per_device, ' tok/s')} per device, step {_human(s.step_time_s, ' s')}"
+        f"{_implied_mfu(e)}, ${_human(s.usd_per_1b_tokens)} per 1B tokens; target: {_human(s.hours_to_target, ' h')}, "
         f"${_human(s.usd_to_target)} (price x devices x hours; {hw.sources.get('price', '')})"
     )
     if result.n_enumerated:
@@ -265,13 +261,67 @@ def _flops_line(e: PlanEstimate) -> str:
 
 
 def _speed_source(result: PlanResult) -> str:
-    """Where the tokens/s come from: the executed FLOPs at ``plan.mfu`` of the peak, a measured run, or nowhere."""
+    """Where the tokens/s come from: the executed FLOPs at ``plan.hfu`` of the peak, a measured run, or nowhere."""
     s, hw, i = result.estimate.speed, result.hardware, result.estimate.inputs
     if s.source.startswith("measured") or s.tokens_per_sec_per_device is None:
         return s.source
     dtype = compute_dtype_key(i.trainer_precision, hw.name != "cpu")
     peak = hw.peak(dtype) or 0.0
-    return f"tokens/s at {result.mfu:.0%} (plan.mfu) of the {peak / 1e12:g} TFLOP/s dense {dtype} peak"
+    return (
+        f"compute at {result.hfu:.0%} (plan.hfu, of the FLOPs executed) of the {peak / 1e12:g} TFLOP/s dense {dtype} "
+        "peak"
+    )
+
+
+# The hardware figure each overhead item is charged with: (source key, how to print the rate).
+_RATE_OF = {
+    "activation offload": "pcie",
+    "updated parameters to the device": "pcie",
+    "PCIe device -> host": "pcie",
+    "PCIe host -> device": "pcie",
+    "int8 activation compression": "memory_bandwidth",
+    "CPU Adam": "cpu_adam",
+    "CPU AdamW (fused)": "cpu_adam",
+    "NVMe swaps": "nvme",
+}
+
+
+def _rate(hw: HardwareSpec, key: str) -> str:
+    figure = {
+        "pcie": (hw.pcie_bytes_per_s, "PCIe", 1e9, "GB/s each way"),
+        "memory_bandwidth": (hw.memory_bytes_per_s, "device memory", 1e9, "GB/s"),
+        "nvme": (hw.nvme_bytes_per_s, "NVMe", 1e9, "GB/s per node"),
+        "cpu_adam": (hw.cpu_adam_params_per_s, "CPU Adam", 1.0, "params/s per node"),
+    }[key]
+    value, name, unit, text = figure
+    return f"{name} {(value or 0) / unit:,.3g} {text} ({hw.sources.get(key, '')})"
+
+
+def _step_line(e: PlanEstimate, hw: HardwareSpec) -> str:
+    """The step time's parts when offload or compression is charged (or could not be), one line each, and the rates
+    they were charged at with their sources; ``""`` when there is none."""
+    s = e.speed
+    o = s.overhead
+    if o is None or s.compute_s is None or not (o.overlapped or o.serial or o.not_charged):
+        return ""
+    lines = [
+        f"  step = max(compute {s.compute_s:.3g} s, copies beside compute {o.overlapped_s:.3g} s) + waits "
+        f"{o.serial_s:.3g} s = {s.step_time_s:.3g} s"
+    ]
+    for name, seconds in o.overlapped.items():
+        lines.append(f"    beside compute, {name}: {seconds:.3g} s = {o.formulas.get(name, '')}")
+    for name, seconds in o.serial.items():
+        lines.append(f"    wait, {name}: {seconds:.3g} s = {o.formulas.get(name, '')}")
+    lines += [f"    not charged: {what}" for what in o.not_charged]
+    used = dict.fromkeys(_RATE_OF[n] for n in [*o.overlapped, *o.serial] if n in _RATE_OF)
+    lines += [f"    at {_rate(hw, key)}" for key in used]
+    return escape("\n".join(lines)) + "\n"
+
+
+def _implied_mfu(e: PlanEstimate) -> str:
+    """`` (model FLOPs utilisation 35.0%)``: what the predicted tokens/s imply (empty when unknown)."""
+    mfu = e.speed.mfu(model_flops_per_token(e.inputs))
+    return "" if mfu is None else f" (model FLOPs utilisation {mfu:.1%})"
 
 
 def _print_host(e: PlanEstimate, hw: HardwareSpec, console: Console) -> None:
@@ -307,6 +357,7 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
         "optimizer",
         "mb x acc",
         "peak GiB/dev",
+        "margin GiB",
         "tok/s/dev",
         "$/1B tok",
         "speed",
@@ -323,9 +374,10 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             c.choices["optimizer"],
             f"{e.inputs.micro_batch} x {e.inputs.accumulate}",
             _g(e.peak_device_bytes),
+            "-" if e.margin_bytes is None else f"{e.margin_bytes / _GIB:,.2f}",
             _human(e.speed.tokens_per_sec_per_device, "", 4),
             _human(e.speed.usd_per_1b_tokens, "", 4),
-            "measured" if e.speed.source.startswith("measured") else "FLOPs x MFU",
+            _speed_kind(e),
             c.reason,
         )
     console.print(table)
@@ -337,6 +389,16 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             f"[red]no configuration fits on {i.world_size} x {result.hardware.name}:[/] search more devices "
             f"(trainer.devices={2 * i.devices} plan.search=true), shorten data.seq_len, or choose a smaller model."
         )
+
+
+def _speed_kind(e: PlanEstimate) -> str:
+    """The search table's ``speed`` cell: measured, or the FLOPs model and whether offload time was added."""
+    s = e.speed
+    if s.source.startswith("measured"):
+        return "measured"
+    if s.step_time_s is not None and s.compute_s is not None and s.step_time_s > s.compute_s:
+        return "FLOPs x HFU + offload"
+    return "FLOPs x HFU"
 
 
 def refused_jobs(sweep_dir: Path) -> dict[str, str]:

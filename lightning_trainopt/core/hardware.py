@@ -1,6 +1,8 @@
-"""Device facts as data: dense peak FLOP/s per dtype, memory, price per device-hour, each with a source.
+"""Device facts as data: dense peak FLOP/s per dtype, memory, price per device-hour, bandwidths, each with a source.
 
 Figures are *dense* tensor-core peaks (NVIDIA datasheets quote "with sparsity" figures at twice these).
+Bandwidths are what the planner charges offload and compression with: the device's memory, its PCIe link to the
+host, the node's NVMe drives and the node's CPU Adam rate.
 Every entry can be overridden: ``hardware_spec("h100_sxm", price_per_device_hour=2.5, peak_tflops={"bf16": 800})``.
 """
 
@@ -49,6 +51,43 @@ def _host(instance: str, gib: int) -> tuple[int, str]:
     return gib * _GIB, f"reference node {instance} (8 GPUs, {gib} GiB RAM); override hardware.host_memory_gb"
 
 
+# Bandwidths (GB = 1e9 B). PCIe: the datasheets quote both directions together; one direction is half of it, and
+# that is the link rate, an upper bound on what pinned copies reach. Device memory: the datasheet figure.
+def _pcie(doc: str, gen: int, both_ways_gb: float) -> tuple[float, str]:
+    each = both_ways_gb / 2
+    return each * _GB, (
+        f"{doc}: PCIe Gen{gen} x16 {both_ways_gb:g} GB/s both directions = {each:g} GB/s each way (the link rate, "
+        "an upper bound on pinned copies); override hardware.pcie_gb_per_s"
+    )
+
+
+def _mem_bw(doc: str, gb_per_s: float) -> tuple[float, str]:
+    source = f"{doc}: {gb_per_s:,g} GB/s device memory bandwidth; override hardware.memory_gb_per_s"
+    return float(gb_per_s) * _GB, source
+
+
+_NVME_DEFAULT = (
+    8.0 * _GB,
+    "project default, not a measurement of your node: 8 GB/s for all the node's local NVMe drives together; "
+    "measure yours on strategy.nvme_path (DeepSpeed's ds_nvme_tune) and set hardware.nvme_gb_per_s",
+)
+# bench/cpu_adam_throughput.py on the development VM (one Xeon core, AVX-512): 3.2e8 parameters/s with deepspeed
+# 0.19.8's cpu_adam op (torch's fused CPU AdamW: 2.8e8/s). A node's ranks share its cores and DRAM; at ~28 B moved
+# per update, 32 such cores need ~290 GB/s, about what a two-socket server's DRAM gives, so more cores do not help.
+_CPU_ADAM_DEFAULT = (
+    1e10,
+    "derived from a measurement, not of your node: DeepSpeed CPU Adam ran 3.2e8 params/s on one Xeon core "
+    "(bench/cpu_adam_throughput.py) x 32 cores = 1e10 params/s for the whole node, near where its ~28 B per update "
+    "meet a two-socket server's DRAM bandwidth; measure yours and set hardware.cpu_adam_params_per_s",
+)
+_UNKNOWN_BW = {
+    "pcie": "unknown: set hardware.pcie_gb_per_s (GB/s each way) to charge offload traffic",
+    "memory_bandwidth": "unknown: set hardware.memory_gb_per_s to charge int8 activation compression",
+    "nvme": "unknown: set hardware.nvme_gb_per_s (the node's NVMe GB/s) to charge ZeRO-Infinity's swaps",
+    "cpu_adam": "unknown: set hardware.cpu_adam_params_per_s (the node's CPU Adam rate) to charge optimizer offload",
+}
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """One accelerator model: what it can compute, hold and cost.
@@ -58,9 +97,15 @@ class HardwareSpec:
         memory_bytes: device memory per device, ``None`` if unknown (CPU).
         peak_flops: dense peak FLOP/s per dtype key (see :data:`DTYPE_KEYS`); missing keys mean unknown.
         price_per_device_hour: dollars per device-hour, ``None`` when the user has not set one.
-        sources: where each figure comes from (``peak``, ``price``, ``memory``, ``host_memory``).
+        sources: where each figure comes from (``peak``, ``price``, ``memory``, ``host_memory``, ``pcie``,
+            ``memory_bandwidth``, ``nvme``, ``cpu_adam``).
         host_memory_bytes: host RAM of one node (what CPU offload fills, shared by the node's ranks), ``None`` if
             unknown.
+        pcie_bytes_per_s: one device's host link, bytes/s in each direction (``None``: unknown).
+        memory_bytes_per_s: one device's memory bandwidth, bytes/s (``None``: unknown).
+        nvme_bytes_per_s: the NVMe drives of one node together, bytes/s, shared by its ranks (``None``: unknown).
+        cpu_adam_params_per_s: parameters per second CPU Adam updates on one node, all its ranks together
+            (``None``: unknown).
 
     Example::
 
@@ -74,6 +119,10 @@ class HardwareSpec:
     price_per_device_hour: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
     host_memory_bytes: int | None = None
+    pcie_bytes_per_s: float | None = None
+    memory_bytes_per_s: float | None = None
+    nvme_bytes_per_s: float | None = None
+    cpu_adam_params_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for key, value in self.peak_flops.items():
@@ -91,6 +140,17 @@ class HardwareSpec:
             raise ConfigError("hardware.memory_gb", self.memory_bytes, "use a positive device memory size.")
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ConfigError("hardware.host_memory_gb", self.host_memory_bytes, "use a positive host RAM size.")
+        for rate_key, rate in (
+            ("pcie_gb_per_s", self.pcie_bytes_per_s),
+            ("memory_gb_per_s", self.memory_bytes_per_s),
+            ("nvme_gb_per_s", self.nvme_bytes_per_s),
+        ):
+            if rate is not None and not rate > 0:
+                raise ConfigError(f"hardware.{rate_key}", rate / _GB, "use a positive bandwidth in GB/s.")
+        if self.cpu_adam_params_per_s is not None and not self.cpu_adam_params_per_s > 0:
+            raise ConfigError(
+                "hardware.cpu_adam_params_per_s", self.cpu_adam_params_per_s, "use a positive rate, e.g. 1e10."
+            )
 
     def peak(self, dtype_key: str) -> float | None:
         """Dense peak FLOP/s for ``dtype_key``; ``None`` when this device has no known figure."""
@@ -104,8 +164,16 @@ class HardwareSpec:
             "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
             "price_per_device_hour": self.price_per_device_hour,
             "host_memory_bytes": self.host_memory_bytes,
+            "pcie_gb_per_s": _per_gb(self.pcie_bytes_per_s),
+            "memory_gb_per_s": _per_gb(self.memory_bytes_per_s),
+            "nvme_gb_per_s": _per_gb(self.nvme_bytes_per_s),
+            "cpu_adam_params_per_s": self.cpu_adam_params_per_s,
             "sources": dict(self.sources),
         }
+
+
+def _per_gb(bytes_per_s: float | None) -> float | None:
+    return None if bytes_per_s is None else bytes_per_s / _GB
 
 
 def _tf(**tflops: float) -> dict[str, float]:
@@ -120,10 +188,27 @@ def _spec(
     price: float | None,
     price_src: str,
     host: tuple[int, str] | None = None,
+    pcie: tuple[float, str] | None = None,
+    mem_bw: tuple[float, str] | None = None,
 ) -> HardwareSpec:
     host_bytes, host_src = host if host else (None, _HOST_UNKNOWN)
     sources = {"peak": src, "memory": src, "price": price_src, "host_memory": host_src}
-    return HardwareSpec(name, mem, peak, price, sources, host_bytes)
+    figures: dict[str, float | None] = {}
+    given = {"pcie": pcie, "memory_bandwidth": mem_bw, "nvme": _NVME_DEFAULT, "cpu_adam": _CPU_ADAM_DEFAULT}
+    for key, pair in given.items():
+        figures[key], sources[key] = pair if pair else (None, _UNKNOWN_BW[key])
+    return HardwareSpec(
+        name,
+        mem,
+        peak,
+        price,
+        sources,
+        host_bytes,
+        pcie_bytes_per_s=figures["pcie"],
+        memory_bytes_per_s=figures["memory_bandwidth"],
+        nvme_bytes_per_s=figures["nvme"],
+        cpu_adam_params_per_s=figures["cpu_adam"],
+    )
 
 
 #: Built-in presets, keyed by the names of ``conf/hardware/*.yaml``.
@@ -136,6 +221,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         3.5,
         _SRC_PRICE_DEFAULT,
         _host("p4d.24xlarge", 1152),
+        pcie=_pcie("NVIDIA A100 datasheet", 4, 64),
+        mem_bw=_mem_bw("NVIDIA A100 datasheet (40GB SXM)", 1555),
     ),
     "a100_80gb": _spec(
         "a100_80gb",
@@ -145,6 +232,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         4.8,
         _SRC_PRICE_DEFAULT,
         _host("p4de.24xlarge", 1152),
+        pcie=_pcie("NVIDIA A100 datasheet", 4, 64),
+        mem_bw=_mem_bw("NVIDIA A100 datasheet (80GB SXM)", 2039),
     ),
     "h100_sxm": _spec(
         "h100_sxm",
@@ -154,6 +243,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         8.2,
         _SRC_PRICE_DEFAULT,
         _host("p5.48xlarge", 2048),
+        pcie=_pcie("NVIDIA H100 datasheet", 5, 128),
+        mem_bw=_mem_bw("NVIDIA H100 datasheet (SXM)", 3350),
     ),
     "h100_pcie": _spec(
         "h100_pcie",
@@ -162,6 +253,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         _SRC_H100,
         8.2,
         _SRC_PRICE_DEFAULT + " (H100 price)",
+        pcie=_pcie("NVIDIA H100 datasheet", 5, 128),
+        mem_bw=_mem_bw("NVIDIA H100 datasheet (PCIe)", 2000),
     ),
     "h200": _spec(
         "h200",
@@ -171,6 +264,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         None,
         _USER_SET,
         _host("p5e.48xlarge", 2048),
+        pcie=_pcie("NVIDIA H200 datasheet", 5, 128),
+        mem_bw=_mem_bw("NVIDIA H200 datasheet (SXM)", 4800),
     ),
     "b200": _spec(
         "b200",
@@ -180,6 +275,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         None,
         _USER_SET,
         (2048 * _GIB, "DGX B200 datasheet: 2 TB system memory (up to 4 TB); override hardware.host_memory_gb"),
+        pcie=_pcie("the PCIe Gen5 host CPUs of DGX B200 (the datasheet gives no per-GPU host link)", 5, 128),
+        mem_bw=_mem_bw("NVIDIA DGX B200 datasheet: 64 TB/s HBM3e / 8 GPUs", 8000),
     ),
     "l40s": _spec(
         "l40s",
@@ -189,6 +286,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         None,
         _USER_SET,
         _host("g6e.48xlarge", 1536),
+        pcie=_pcie("NVIDIA L40S datasheet", 4, 64),
+        mem_bw=_mem_bw("NVIDIA L40S datasheet", 864),
     ),
     "l4": _spec(
         "l4",
@@ -198,6 +297,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         None,
         _USER_SET,
         _host("g6.48xlarge", 768),
+        pcie=_pcie("NVIDIA L4 datasheet", 4, 64),
+        mem_bw=_mem_bw("NVIDIA L4 datasheet", 300),
     ),
     "a10g": _spec(
         "a10g",
@@ -207,6 +308,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         None,
         _USER_SET,
         _host("g5.48xlarge", 768),
+        pcie=_pcie("NVIDIA A10 datasheet", 4, 64),
+        mem_bw=_mem_bw("NVIDIA A10 datasheet", 600),
     ),
     "cpu": HardwareSpec(
         "cpu",
@@ -218,6 +321,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             "memory": "unknown",
             "price": _USER_SET,
             "host_memory": _HOST_UNKNOWN,
+            **_UNKNOWN_BW,
         },
     ),
 }
@@ -281,7 +385,7 @@ def detect_hardware() -> HardwareSpec:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     key = preset_for_device_name(props.name, props.total_memory)
     if key is None:
-        sources = {"peak": "unknown device", "price": _USER_SET, "host_memory": host_src}
+        sources = {"peak": "unknown device", "price": _USER_SET, "host_memory": host_src, **_UNKNOWN_BW}
         return HardwareSpec(props.name, props.total_memory, {}, None, sources, host)
     spec = HARDWARE[key]
     return replace(
@@ -298,6 +402,10 @@ def hardware_spec(
     peak_tflops: dict[str, float] | None = None,
     memory_gb: float | None = None,
     host_memory_gb: float | None = None,
+    pcie_gb_per_s: float | None = None,
+    memory_gb_per_s: float | None = None,
+    nvme_gb_per_s: float | None = None,
+    cpu_adam_params_per_s: float | None = None,
 ) -> HardwareSpec:
     """Build a :class:`HardwareSpec` from a preset name with user overrides (the ``_target_`` of ``conf/hardware``).
 
@@ -307,6 +415,10 @@ def hardware_spec(
         peak_tflops: override peaks per dtype key, in TFLOP/s, e.g. ``{"bf16": 800}``.
         memory_gb: override the device memory in GiB.
         host_memory_gb: override the host RAM of one node in GiB (what CPU offload fills).
+        pcie_gb_per_s: override one device's host link, GB/s (1e9 B/s) in each direction.
+        memory_gb_per_s: override one device's memory bandwidth, GB/s.
+        nvme_gb_per_s: override the NVMe bandwidth of one node (all its drives, shared by its ranks), GB/s.
+        cpu_adam_params_per_s: override the parameters per second CPU Adam updates on one node (all its ranks).
 
     Raises:
         ConfigError: unknown preset name or bad override.
@@ -348,7 +460,37 @@ def hardware_spec(
             raise ConfigError("hardware.host_memory_gb", host_memory_gb, "use the RAM of one node in GiB, e.g. 1024.")
         host = int(host_memory_gb * _GIB)
         sources["host_memory"] = "user-set"
-    return HardwareSpec(spec.name, memory, peaks, price, sources, host)
+    rates = {
+        "pcie": spec.pcie_bytes_per_s,
+        "memory_bandwidth": spec.memory_bytes_per_s,
+        "nvme": spec.nvme_bytes_per_s,
+        "cpu_adam": spec.cpu_adam_params_per_s,
+    }
+    overrides = (
+        ("pcie", "pcie_gb_per_s", pcie_gb_per_s, _GB, "use GB/s in each direction, e.g. 25 (PCIe Gen4 x16)."),
+        ("memory_bandwidth", "memory_gb_per_s", memory_gb_per_s, _GB, "use the device's GB/s, e.g. 2039."),
+        ("nvme", "nvme_gb_per_s", nvme_gb_per_s, _GB, "use the node's NVMe GB/s, e.g. 8."),
+        ("cpu_adam", "cpu_adam_params_per_s", cpu_adam_params_per_s, 1, "use parameters per second, e.g. 1e10."),
+    )
+    for what, key, given, unit, fix in overrides:
+        if given is None:
+            continue
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given < float("inf"):
+            raise ConfigError(f"hardware.{key}", given, fix)
+        rates[what] = float(given) * unit
+        sources[what] = "user-set"
+    return HardwareSpec(
+        spec.name,
+        memory,
+        peaks,
+        price,
+        sources,
+        host,
+        pcie_bytes_per_s=rates["pcie"],
+        memory_bytes_per_s=rates["memory_bandwidth"],
+        nvme_bytes_per_s=rates["nvme"],
+        cpu_adam_params_per_s=rates["cpu_adam"],
+    )
 
 
 def compute_dtype_key(trainer_precision: str, on_cuda: bool, float32_matmul_precision: str = "highest") -> str:

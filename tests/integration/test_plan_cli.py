@@ -125,5 +125,5 @@ def test_plan_py_headline_names_the_default_seq_len_and_the_speed_line_each_flop
     assert "note: seq_len 128 is the default of data=stdlib_text" in out
     assert "e.g. data.seq_len=4096" in out
     assert "model FLOP/token (forward + backward) +" in out
-    assert "FLOP/token executed; tokens/s at 40% (plan.mfu) of the 312 TFLOP/s dense bf16 peak" in out
+    assert "FLOP/token executed; compute at 40% (plan.hfu, of the FLOPs executed) of the 312 TFLOP/s dense bf16" in out
     assert "issue" not in out.lower()

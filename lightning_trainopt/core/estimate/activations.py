@@ -200,7 +200,8 @@ def estimate_transformer_activations(
     rounded = 0
     for label, formula, count, tensors in groups:
         kept, moved, pad = _placed(tensors, policy)
-        terms.append(Term("activations", "device", label, count * kept, formula))
+        stays = f"{label} (storages < {policy.offload_min_numel} elements, not offloaded)" if policy.offload else label
+        terms.append(Term("activations", "device", stays, count * kept, formula))
         terms.append(Term("activations", "cpu", label, count * moved, formula))
         rounded += count * pad
     if rounded:

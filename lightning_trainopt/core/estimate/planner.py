@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
 from lightning_trainopt.core.estimate.fsdp_units import gpt_fsdp_units
 from lightning_trainopt.core.estimate.model_states import StrategyLayout, estimate_model_states
+from lightning_trainopt.core.estimate.offload_time import Bandwidths, estimate_step_overhead
 from lightning_trainopt.core.estimate.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import MemoryEstimate
@@ -180,12 +181,14 @@ def estimate_plan(
     device_memory_bytes: int | None,
     peak_flops: float | None,
     price_per_device_hour: float | None,
-    mfu: float = 0.4,
+    hfu: float | None = None,
     target_tokens: float = 1e9,
     measured_tokens_per_sec_per_device: float | None = None,
     headroom_fraction: float = 0.0,
     host_memory_bytes: int | None = None,
     device_is_host: bool = False,
+    bandwidths: Bandwidths | None = None,
+    mfu: float | None = None,
 ) -> PlanEstimate:
     """Estimate memory, speed and cost of one configuration.
 
@@ -194,19 +197,26 @@ def estimate_plan(
         device_memory_bytes: memory of one device.
         peak_flops: dense peak FLOP/s of one device in the compute dtype.
         price_per_device_hour: dollars per device-hour.
-        mfu: assumed fraction of the peak sustained.
+        hfu: assumed fraction of the peak sustained on the FLOPs executed (hardware FLOPs utilisation); default 0.4.
         target_tokens: tokens to train, for time and dollars to target.
         measured_tokens_per_sec_per_device: a measured figure that replaces the FLOPs model.
         headroom_fraction: share of the device memory kept free (CUDA context, NCCL, fragmentation), in [0, 1);
             the same share of the host RAM is kept free for the ranks' processes.
         host_memory_bytes: host RAM of one node, for the verdict on offloaded bytes (``None``: unknown).
         device_is_host: the planned device is the CPU: its peak counts against the host RAM too.
+        bandwidths: PCIe, device memory, NVMe and CPU Adam rates that charge offload and int8 compression
+            (``offload_time``); ``None`` or a missing rate leaves that item uncharged and named in
+            ``speed.overhead.not_charged``.
+        mfu: the former name of ``hfu`` (the fraction always applied to the executed FLOPs).
 
     Raises:
-        ConfigError: ``headroom_fraction`` outside [0, 1).
+        ConfigError: ``headroom_fraction`` outside [0, 1); both ``hfu`` and ``mfu`` given.
     """
     if not 0 <= headroom_fraction < 1:
         raise ConfigError("plan.headroom_fraction", headroom_fraction, "use a fraction in [0, 1), e.g. 0.05.")
+    if mfu is not None and hfu is not None:
+        raise ConfigError("mfu", mfu, "give hfu only (mfu is its former name).")
+    hfu = mfu if mfu is not None else (0.4 if hfu is None else hfu)
     m = inputs.model
     states = estimate_model_states(
         gpt_param_groups(inputs.model),
@@ -237,20 +247,34 @@ def estimate_plan(
     n_ckpt = 0 if every == 0 else -(-inputs.model.n_layers // every)
     hw_flops = flops.hardware_train(recompute_fraction=n_ckpt / inputs.model.n_layers)
     per_token = hw_flops / (inputs.micro_batch * inputs.seq_len)
+    memory = states + acts
+    overhead = estimate_step_overhead(
+        memory,
+        n_params=m.n_params(),
+        world_size=inputs.world_size,
+        devices_per_node=inputs.devices,
+        accumulate=inputs.accumulate,
+        layout=inputs.layout,
+        activations=inputs.activations,
+        compute_bytes=inputs.compute_bytes,
+        bandwidths=bandwidths or Bandwidths(),
+        device_is_host=device_is_host,
+    )
     speed = estimate_speed(
         per_token,
         inputs.micro_batch * inputs.seq_len * inputs.accumulate,
         inputs.world_size,
         peak_flops,
-        mfu,
+        hfu,
         price_per_device_hour,
         target_tokens,
         measured_tokens_per_sec_per_device,
+        overhead,
     )
     headroom = int(headroom_fraction * device_memory_bytes) if device_memory_bytes else 0
     return PlanEstimate(
         inputs,
-        states + acts,
+        memory,
         speed,
         device_memory_bytes,
         per_token,

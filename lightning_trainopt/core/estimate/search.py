@@ -1,4 +1,11 @@
-"""``plan.search=true``: enumerate configurations, drop those that do not fit, rank by dollars per token."""
+"""``plan.search=true``: enumerate configurations, drop those that do not fit, rank by dollars per token.
+
+Dollars follow the step time, which charges offload copies, CPU Adam, NVMe swaps and int8 compression
+(``offload_time``). Configurations that still cost the same (the time model does not see communication between
+devices or kernel efficiency) are ranked by memory margin, largest first: the one least likely to run out of
+memory; then by fewer moving parts. Within one configuration the micro-batch with the fewest dollars, then the
+largest (fewest accumulation steps), is its row.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +21,8 @@ from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["Candidate", "SearchSpace", "best_per_configuration", "rank_candidates", "search_plans", "simplicity"]
 
-# Ties on dollars (the FLOPs model does not charge offload traffic or reward bigger micro-batches) go to the
-# configuration with fewer moving parts: this order, then fewer bytes.
+# Ties on dollars and margin go to the configuration with fewer moving parts: this order, then fewer bytes.
 _SIMPLICITY = ("none", "single", "ddp", "zero1", "zero2", "fsdp", "zero3", "offload", "infinity")
-# Activation techniques cost time the FLOPs model does not see (quantisation, PCIe copies): fewest first.
-_ACT_ORDER = ("none", "every_2nd", "checkpoint", "int8", "offload")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ def simplicity(name: str) -> int:
 
 
 def _act_rank(policy: ActivationPolicy) -> int:
+    """Rank of an activation policy in the tie-break order: none < every 2nd < checkpoint < int8 < offload."""
     if policy.offload:
         return 4
     if policy.compress_bits:
@@ -71,40 +76,70 @@ def _act_rank(policy: ActivationPolicy) -> int:
     return {0: 0, 1: 2}.get(policy.checkpoint_every, 1)
 
 
-def _reason(c: Candidate, best: Candidate | None) -> str:
+def _cost(c: Candidate) -> float:
+    """Dollars per 1B tokens, or minus tokens/s without a price (both: less is better), to 9 decimals."""
+    s = c.estimate.speed
+    return round(s.usd_per_1b_tokens if s.usd_per_1b_tokens is not None else -(s.tokens_per_sec_per_device or 0.0), 9)
+
+
+def _margin(c: Candidate) -> int:
+    return c.estimate.margin_bytes if c.estimate.margin_bytes is not None else 0
+
+
+def _configuration(c: Candidate) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(c.choices.items()))
+
+
+def _reason(c: Candidate, best: Candidate | None, tied: int) -> str:
     e = c.estimate
     mem = e.memory.per_device()
     biggest = max(("params", "grads", "optimizer_states", "activations"), key=lambda k: mem[k])
     head = f"{biggest} largest"
     if e.margin_bytes is not None:
         head += f", {e.margin_bytes / 2**30:.1f} GiB spare"
+    overhead = e.speed.overhead
+    if overhead is not None and e.speed.compute_s is not None and e.speed.step_time_s is not None:
+        extra_s = e.speed.step_time_s - e.speed.compute_s
+        if extra_s > 0:
+            head += f", +{extra_s:.3g} s/step offload"
     if best is None or e.speed.usd_per_1b_tokens is None or best.estimate.speed.usd_per_1b_tokens is None:
         return head
     extra = e.speed.usd_per_1b_tokens / best.estimate.speed.usd_per_1b_tokens - 1
     if c is best:
-        return f"{head}; cheapest, fewest techniques"
-    return f"{head}; {extra:+.0%} $" + ("" if abs(extra) > 1e-9 else " (more techniques)")
+        return f"{head}; cheapest" + (f", most margin of {tied} at this price" if tied > 1 else "")
+    return f"{head}; {extra:+.0%} $" + ("" if abs(extra) > 1e-9 else " (less margin)")
 
 
 def rank_candidates(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """Sort fitting candidates: fewest dollars per 1B tokens (or most tokens/s without a price), then simplest."""
+    """Sort fitting candidates: fewest dollars per 1B tokens (or most tokens/s without a price); among configurations
+    at the same price, the larger memory margin of the configuration's best micro-batch, then the simpler; within a
+    configuration, the larger micro-batch."""
     fitting = [c for c in candidates if c.estimate.fits is not False]
 
-    def key(c: Candidate) -> tuple[float, int, int, int, int, int]:
-        s, i = c.estimate.speed, c.estimate.inputs
-        cost = s.usd_per_1b_tokens if s.usd_per_1b_tokens is not None else -(s.tokens_per_sec_per_device or 0.0)
+    def variant(c: Candidate) -> tuple[float, int, int]:
+        return (_cost(c), -c.estimate.inputs.micro_batch, c.estimate.total_device_bytes)
+
+    row: dict[tuple[tuple[str, str], ...], Candidate] = {}
+    for c in fitting:
+        config = _configuration(c)
+        if config not in row or variant(c) < variant(row[config]):
+            row[config] = c
+
+    def order(c: Candidate) -> tuple[float, int, int, int, int, tuple[float, int, int]]:
+        best, i = row[_configuration(c)], c.estimate.inputs
         return (
-            round(cost, 9),
+            _cost(c),
+            -_margin(best),
             simplicity(c.choices.get("strategy", "")),
             _act_rank(i.activations),
             int(i.optimizer.bits != 32),
-            -i.micro_batch,
-            c.estimate.total_device_bytes,
+            variant(c),
         )
 
-    ranked = sorted(fitting, key=key)
+    ranked = sorted(fitting, key=order)
     best = ranked[0] if ranked else None
-    return [replace(c, reason=_reason(c, best)) for c in ranked]
+    tied = len({_configuration(c) for c in ranked if best is not None and _cost(c) == _cost(best)})
+    return [replace(c, reason=_reason(c, best, tied)) for c in ranked]
 
 
 def best_per_configuration(ranked: Iterable[Candidate]) -> list[Candidate]:

@@ -1,9 +1,11 @@
-"""Step time, tokens/s and dollars: from FLOPs and a utilisation assumption, or from a measured run."""
+"""Step time, tokens/s and dollars: from FLOPs, a utilisation assumption and the offload overhead, or from a
+measured run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_trainopt.core.estimate.offload_time import StepOverhead
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["SpeedEstimate", "estimate_speed"]
@@ -20,6 +22,11 @@ class SpeedEstimate:
         hours_to_target: wall-clock hours to train ``target_tokens``.
         usd_to_target: dollars to train ``target_tokens`` (hardware cost x time).
         source: where the speed comes from, in words.
+        compute_s: seconds per step of the FLOPs at ``hfu`` of the peak (``None``: measured or unknown).
+        overhead: seconds per step of offload copies, CPU Adam, NVMe swaps and int8 compression (``None``: none
+            charged, or the speed is measured).
+        hfu: the hardware FLOPs utilisation assumed for ``compute_s`` (``None`` when the speed is measured).
+        peak_flops: the dense peak FLOP/s used (``None`` when unknown).
     """
 
     tokens_per_sec_per_device: float | None
@@ -28,6 +35,16 @@ class SpeedEstimate:
     hours_to_target: float | None
     usd_to_target: float | None
     source: str
+    compute_s: float | None = None
+    overhead: StepOverhead | None = None
+    hfu: float | None = None
+    peak_flops: float | None = None
+
+    def mfu(self, model_flops_per_token: float) -> float | None:
+        """Model FLOPs utilisation the prediction implies: model FLOPs x tokens/s / peak (``None`` if unknown)."""
+        if not self.tokens_per_sec_per_device or not self.peak_flops:
+            return None
+        return model_flops_per_token * self.tokens_per_sec_per_device / self.peak_flops
 
 
 def estimate_speed(
@@ -35,32 +52,36 @@ def estimate_speed(
     tokens_per_step_per_device: int,
     n_devices: int,
     peak_flops: float | None,
-    mfu: float,
+    hfu: float,
     price_per_device_hour: float | None,
     target_tokens: float,
     measured_tokens_per_sec_per_device: float | None = None,
+    overhead: StepOverhead | None = None,
 ) -> SpeedEstimate:
     """Predict speed and cost.
 
-    Time per token is ``hardware FLOPs per token / (peak x mfu)``: ``mfu`` is the fraction of the dense peak the
-    run sustains on the FLOPs it really executes (recomputation included in ``train_flops_per_token`` when the
-    caller counts it). A measured tokens/s (from a short run's metrics.json) replaces the assumption.
+    Compute time per token is ``executed FLOPs per token / (peak x hfu)``: ``hfu`` is the fraction of the dense peak
+    the run sustains on the FLOPs it really executes (recomputation included in ``train_flops_per_token`` when the
+    caller counts it), a hardware FLOPs utilisation; the model FLOPs utilisation it implies is
+    :meth:`SpeedEstimate.mfu`. The step then takes ``overhead.step_time(compute)``: offload copies that run beside
+    compute hide behind it, the rest adds. A measured tokens/s (from a short run's metrics.json) replaces both.
 
     Args:
         train_flops_per_token: FLOPs the hardware executes per token (forward + backward [+ recomputation]).
         tokens_per_step_per_device: micro-batch x sequence length x accumulation.
         n_devices: devices in the job.
         peak_flops: dense peak FLOP/s of one device in the compute dtype, ``None`` when unknown.
-        mfu: assumed utilisation of that peak, in (0, 1].
+        hfu: assumed utilisation of that peak on the executed FLOPs, in (0, 1].
         price_per_device_hour: dollars per device-hour, ``None`` when not set.
         target_tokens: tokens to train, for time and dollars to target.
         measured_tokens_per_sec_per_device: a measured figure, which wins over the FLOPs model.
+        overhead: per-step seconds of offload and compression (``offload_time.estimate_step_overhead``).
 
     Raises:
-        ConfigError: ``mfu`` outside (0, 1], non-positive target.
+        ConfigError: ``hfu`` outside (0, 1], non-positive target.
     """
-    if not 0 < mfu <= 1:
-        raise ConfigError("plan.mfu", mfu, "use a fraction of the peak in (0, 1], e.g. 0.4.")
+    if not 0 < hfu <= 1:
+        raise ConfigError("plan.hfu", hfu, "use a fraction of the peak in (0, 1], e.g. 0.4.")
     if not target_tokens > 0:
         raise ConfigError("plan.target_tokens", target_tokens, "use a positive token count, e.g. 1e9.")
     if measured_tokens_per_sec_per_device is not None:
@@ -69,15 +90,24 @@ def estimate_speed(
                 "plan.measured", measured_tokens_per_sec_per_device, "the metrics.json gives no positive tokens/s."
             )
         tps = float(measured_tokens_per_sec_per_device)
+        step = tokens_per_step_per_device / tps
         source = "measured tokens/s from metrics.json"
+        compute, overhead, hfu_used = None, None, None
     elif peak_flops:
-        tps = peak_flops * mfu / train_flops_per_token
-        source = f"{train_flops_per_token:.3g} FLOP/token at {mfu:.0%} of {peak_flops / 1e12:g} TFLOP/s peak"
+        compute = tokens_per_step_per_device * train_flops_per_token / (peak_flops * hfu)
+        step = overhead.step_time(compute) if overhead is not None else compute
+        tps = tokens_per_step_per_device / step
+        source = f"{train_flops_per_token:.3g} FLOP/token at {hfu:.0%} (HFU) of {peak_flops / 1e12:g} TFLOP/s peak"
+        if overhead is not None and step > compute:
+            source += f"; + {step - compute:.3g} s/step offload and compression"
+        hfu_used = hfu
     else:
         return SpeedEstimate(None, None, None, None, None, "no peak FLOP/s for this hardware and no measured run")
-    step = tokens_per_step_per_device / tps
     hours = target_tokens / (tps * n_devices) / 3600
+    usd_per_1b = usd_to_target = None
     if price_per_device_hour is None:
-        return SpeedEstimate(tps, step, None, hours, None, source + "; no price set")
-    usd_per_1b = price_per_device_hour * n_devices * (1e9 / (tps * n_devices)) / 3600
-    return SpeedEstimate(tps, step, usd_per_1b, hours, hours * price_per_device_hour * n_devices, source)
+        source += "; no price set"
+    else:
+        usd_per_1b = price_per_device_hour * n_devices * (1e9 / (tps * n_devices)) / 3600
+        usd_to_target = hours * price_per_device_hour * n_devices
+    return SpeedEstimate(tps, step, usd_per_1b, hours, usd_to_target, source, compute, overhead, hfu_used, peak_flops)

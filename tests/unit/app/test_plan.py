@@ -143,7 +143,7 @@ def test_measured_speed_applies_to_the_planned_row_only_in_a_search(tmp_path):
     [
         (["trainer.devices=-1"], ConfigError, "trainer.devices"),
         (["plan.format=xml"], ConfigError, "plan.format"),
-        (["plan.mfu=2"], ConfigError, "plan.mfu"),
+        (["plan.hfu=2"], ConfigError, "plan.hfu"),
         (["plan.metrics=/nonexistent/metrics.json"], ConfigError, "plan.metrics"),
         (["optimizer=adamw8bit", "+strategy=zero2_offload"], IncompatibleConfigError, "optimizer"),
         # train.py's pre-flight refuses these; so must the planner (one shared rule set).

@@ -123,7 +123,7 @@ def test_the_speed_line_names_model_recomputed_and_executed_flops_once_each(plan
     assert figures == [f"{model:#.3g}", f"{executed - model:#.3g}", f"{executed:#.3g}"]
     assert f"{model:#.3g} model FLOP/token (forward + backward)" in line
     assert f"recomputed by activation checkpointing = {executed:#.3g} FLOP/token executed" in line
-    assert "at 40% (plan.mfu) of the 312 TFLOP/s dense bf16 peak" in line
+    assert "compute at 40% (plan.hfu, of the FLOPs executed) of the 312 TFLOP/s dense bf16 peak" in line
 
 
 def test_without_recomputation_the_speed_line_gives_one_flop_figure(planned):

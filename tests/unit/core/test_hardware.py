@@ -15,7 +15,9 @@ from lightning_trainopt.exceptions import ConfigError
 
 def test_every_preset_has_sources_and_dense_peaks():
     for key, spec in HARDWARE.items():
-        assert {"peak", "price", "memory", "host_memory"} <= set(spec.sources), key
+        assert {"peak", "price", "memory", "host_memory", "pcie", "memory_bandwidth", "nvme", "cpu_adam"} <= set(
+            spec.sources
+        ), key
         if spec.peak_flops:
             # Dense bf16 is never above twice fp16's figure nor below fp32's on these chips.
             assert spec.peak("bf16") >= spec.peak("fp32"), key
@@ -64,6 +66,60 @@ def test_auto_takes_this_machines_ram():
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert hardware_spec("auto").host_memory_bytes == ram
+
+
+def test_bandwidths_are_the_datasheets_each_way_and_overridable():
+    # Datasheets quote PCIe both directions together (Gen4 x16 64 GB/s, Gen5 x16 128 GB/s): half of it each way.
+    assert hardware_spec("a100_40gb").pcie_bytes_per_s == 32e9
+    assert hardware_spec("h100").pcie_bytes_per_s == 64e9
+    assert hardware_spec("l4").pcie_bytes_per_s == 32e9
+    assert "PCIe Gen4 x16 64 GB/s both directions" in hardware_spec("a100_80gb").sources["pcie"]
+    # Device memory bandwidth, datasheet figures.
+    assert hardware_spec("a100_40gb").memory_bytes_per_s == 1555e9
+    assert hardware_spec("a100_80gb").memory_bytes_per_s == 2039e9
+    assert hardware_spec("h100").memory_bytes_per_s == 3350e9
+    assert hardware_spec("h200").memory_bytes_per_s == 4800e9
+    # The node figures are project defaults and say so; the CPU has none (nothing crosses PCIe there).
+    assert "not a measurement of your node" in hardware_spec("a100_80gb").sources["nvme"]
+    assert "hardware.cpu_adam_params_per_s" in hardware_spec("a100_80gb").sources["cpu_adam"]
+    cpu = hardware_spec("cpu")
+    assert (cpu.pcie_bytes_per_s, cpu.memory_bytes_per_s, cpu.nvme_bytes_per_s, cpu.cpu_adam_params_per_s) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert "hardware.pcie_gb_per_s" in cpu.sources["pcie"]
+    spec = hardware_spec(
+        "a100_80gb", pcie_gb_per_s=25, memory_gb_per_s=1800, nvme_gb_per_s=3, cpu_adam_params_per_s=4e9
+    )
+    assert (spec.pcie_bytes_per_s, spec.memory_bytes_per_s, spec.nvme_bytes_per_s, spec.cpu_adam_params_per_s) == (
+        25e9,
+        1800e9,
+        3e9,
+        4e9,
+    )
+    assert all(spec.sources[k] == "user-set" for k in ("pcie", "memory_bandwidth", "nvme", "cpu_adam"))
+    assert spec.to_dict()["pcie_gb_per_s"] == 25
+    assert spec.sources["peak"] == hardware_spec("a100_80gb").sources["peak"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"name": "l4", "pcie_gb_per_s": 0}, "hardware.pcie_gb_per_s"),
+        ({"name": "l4", "pcie_gb_per_s": "fast"}, "hardware.pcie_gb_per_s"),
+        ({"name": "l4", "memory_gb_per_s": -300}, "hardware.memory_gb_per_s"),
+        ({"name": "l4", "nvme_gb_per_s": float("inf")}, "hardware.nvme_gb_per_s"),
+        ({"name": "l4", "cpu_adam_params_per_s": True}, "hardware.cpu_adam_params_per_s"),
+        ({"name": "l4", "cpu_adam_params_per_s": 0}, "hardware.cpu_adam_params_per_s"),
+    ],
+)
+def test_bad_bandwidths_are_refused_naming_the_key_and_the_unit(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        hardware_spec(**kwargs)
+    assert err.value.key == key
+    assert ("parameters per second" if "params" in key else "GB/s") in str(err.value)
 
 
 @pytest.mark.parametrize(
@@ -129,6 +185,10 @@ def test_compute_dtype_key():
 def test_spec_validates_itself():
     with pytest.raises(ConfigError, match="hardware.price_per_device_hour"):
         HardwareSpec("x", price_per_device_hour=-2.0)
+    with pytest.raises(ConfigError, match="hardware.pcie_gb_per_s"):
+        HardwareSpec("x", pcie_bytes_per_s=0.0)
+    with pytest.raises(ConfigError, match="hardware.cpu_adam_params_per_s"):
+        HardwareSpec("x", cpu_adam_params_per_s=-1.0)
 
 
 @pytest.mark.parametrize(

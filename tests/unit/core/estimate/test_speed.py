@@ -1,10 +1,11 @@
-"""Step time, tokens/s and dollars from FLOPs and an MFU assumption, or from a measured run."""
+"""Step time, tokens/s and dollars from FLOPs, an HFU assumption and the offload overhead, or from a measured run."""
 
 from __future__ import annotations
 
 import pytest
 
 from lightning_trainopt.core.estimate import estimate_speed
+from lightning_trainopt.core.estimate.offload_time import StepOverhead
 from lightning_trainopt.exceptions import ConfigError
 
 
@@ -38,13 +39,43 @@ def test_unknown_peak_or_price_gives_none_not_a_guess():
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
-        ({"mfu": 1.5}, "plan.mfu"),
-        ({"mfu": 0}, "plan.mfu"),
+        ({"hfu": 1.5}, "plan.hfu"),
+        ({"hfu": 0}, "plan.hfu"),
         ({"target_tokens": 0}, "plan.target_tokens"),
         ({"measured_tokens_per_sec_per_device": -1.0}, "plan.measured"),
     ],
 )
 def test_bad_inputs_raise(kwargs, key):
-    args = {"mfu": 0.4, "target_tokens": 1e9, **kwargs}
+    args = {"hfu": 0.4, "target_tokens": 1e9, **kwargs}
     with pytest.raises(ConfigError, match=key):
         estimate_speed(1e9, 1, 1, 1e12, price_per_device_hour=1.0, **args)
+
+
+@pytest.mark.parametrize(
+    ("overlapped", "serial", "step"),
+    [
+        # Copies beside compute shorter than compute hide; waits add: max(2, 1.5) + 0.5 + 0.25.
+        ({"PCIe device -> host": 1.5}, {"CPU Adam": 0.5, "activation offload": 0.25}, 2.75),
+        # Each direction has its own copy engine: the longer one counts, and it is longer than compute here.
+        ({"PCIe device -> host": 3.0, "PCIe host -> device": 2.5}, {"CPU Adam": 0.5}, 3.5),
+        ({}, {}, 2.0),
+    ],
+)
+def test_overhead_adds_to_the_compute_time(overlapped, serial, step):
+    # 1e9 FLOP/token, 1000 tokens per step, 50% of 1 TFLOP/s: 2 s of compute per step.
+    overhead = StepOverhead(overlapped, serial)
+    s = estimate_speed(1e9, 1000, 4, 1e12, 0.5, 2.0, 1e9, overhead=overhead)
+    assert s.compute_s == pytest.approx(2.0)
+    assert s.step_time_s == pytest.approx(step)
+    assert s.tokens_per_sec_per_device == pytest.approx(1000 / step)
+    assert s.usd_per_1b_tokens == pytest.approx(2.0 * 4 * 1e9 / (4 * 1000 / step) / 3600)
+    assert s.hfu == 0.5
+    # The MFU a plan implies: model FLOPs (here 0.75e9 of the 1e9 executed) x tokens/s / peak.
+    assert s.mfu(0.75e9) == pytest.approx(0.75e9 * (1000 / step) / 1e12)
+
+
+def test_a_measured_speed_is_not_charged_again():
+    overhead = StepOverhead({}, {"CPU Adam": 5.0})
+    s = estimate_speed(1e9, 1000, 1, 1e12, 0.5, 2.0, 1e9, 500.0, overhead=overhead)
+    assert s.step_time_s == pytest.approx(2.0)
+    assert (s.overhead, s.compute_s, s.hfu) == (None, None, None)
