@@ -26,6 +26,7 @@ from lightning_trainopt.core.estimate import (
     Term,
     estimate_model_states,
     estimate_plan,
+    estimate_speed,
     gpt_param_groups,
     rank_candidates,
     search_plans,
@@ -361,3 +362,10 @@ def test_plan_passes_the_accumulation_to_the_model_states():
 
     assert boundary_grads(4) == [2928]
     assert boundary_grads(1) == []
+
+
+def test_the_whole_peak_is_a_valid_utilisation():
+    # At 100% of a 1e12 FLOP/s peak, 1e9 FLOPs per token run 1,000 tokens/s; 1,000 tokens per step take 1 s.
+    s = estimate_speed(1e9, 1000, 1, 1e12, 1.0, None, 1e9)
+    assert s.tokens_per_sec_per_device == pytest.approx(1000.0)
+    assert s.step_time_s == pytest.approx(1.0)
