@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+
+from lightning_trainopt.core.throughput import TrainingWindow
 
 __all__ = ["RunClock"]
 
@@ -21,39 +23,48 @@ def batch_tokens(batch: Any) -> int:
 class RunClock(pl.Callback):
     """Counts tokens and wall time of training (validation excluded), for metrics.json.
 
-    Shapes are read on the host, so nothing here synchronises the device per step.
+    The accounting is :class:`~lightning_trainopt.core.throughput.TrainingWindow`'s, opened at the start of training
+    and paused for validation; shapes are read on the host, so nothing here synchronises the device per step.
+
+    Args:
+        clock: seconds since an arbitrary origin (default ``time.perf_counter``; tests inject a fake).
     """
 
-    def __init__(self) -> None:
-        self.local_tokens = 0
-        self.train_seconds = 0.0
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.last_val_step: int | None = None
-        self._t: float | None = None
+        self._window = TrainingWindow(clock) if clock is not None else TrainingWindow()
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of the training batches of this process."""
+        return int(self._window.counts().tokens or 0)
+
+    @property
+    def train_seconds(self) -> float:
+        """Seconds spent training, validation left out."""
+        return self._window.seconds()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t = time.perf_counter()
+        self._window.start()
+        self._window.resume()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.local_tokens += batch_tokens(batch)
+        self._window.add(samples=None, tokens=batch_tokens(batch))
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._t is not None:
-            self.train_seconds += time.perf_counter() - self._t
-            self._t = None
+        self._window.pause()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.last_val_step = trainer.global_step
         if trainer.state.fn == TrainerFn.FITTING:
-            self._t = time.perf_counter()
+            self._window.resume()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._t is not None:
-            self.train_seconds += time.perf_counter() - self._t
-            self._t = None
+        self._window.pause()

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -29,6 +28,7 @@ from lightning_trainopt.callbacks._common import (
 )
 from lightning_trainopt.core.cost import CostReport, cost_report
 from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
+from lightning_trainopt.core.throughput import TrainingWindow
 
 __all__ = ["CostMonitor"]
 
@@ -100,13 +100,11 @@ class CostMonitor(Callback):
         self._tokens_before: int | None = 0
         self._samples_before: int | None = 0
         self._legacy: dict[str, Any] | None = None  # a checkpoint state without its world size (before 2026-11-30)
-        # The current run: its start, world size and first step; tokens and samples counted on this rank.
-        self._t0: float | None = None
+        # The current run: its wall time and the tokens and samples counted on this rank (never paused: validation
+        # is billed too), its world size and first step.
+        self._run = TrainingWindow(self._clock)
         self._devices = 1
         self._steps_start = 0
-        self._tokens_host: int | None = 0
-        self._tokens_dev: torch.Tensor | None = None
-        self._samples: int | None = 0
         self._sizer = BatchSizer(
             "CostMonitor", samples_fn, tokens_fn, "its per-token and per-sample figures are left out"
         )
@@ -167,17 +165,16 @@ class CostMonitor(Callback):
             self._steps_total = int(est) if est != float("inf") else None
 
     def _start_run(self, step: int) -> None:
-        self._t0 = self._clock()
+        self._run.reset()
+        self._run.start()
         self._steps_start = self._steps_done = step
-        self._tokens_host, self._tokens_dev, self._samples = 0, None, 0
 
     def _close_run(self) -> None:
         """Fold the current run into the earlier runs' figures (at its own world size)."""
-        if self._t0 is None:
+        if not self._run.started:
             return
         self._hours_before, self._tokens_before, self._samples_before = self._totals()
-        self._t0 = None
-        self._tokens_host, self._tokens_dev, self._samples = 0, None, 0
+        self._run.reset()
 
     def _adopt_legacy(self, state: dict[str, Any]) -> None:
         """Bill an older checkpoint's wall seconds and one-device counts at the current world size (one warning)."""
@@ -200,30 +197,17 @@ class CostMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         count = self._sizer(batch)
-        self._samples = None if self._samples is None or count.samples is None else self._samples + count.samples
-        tokens = count.tokens
-        if tokens is None:
-            self._tokens_host, self._tokens_dev = None, None
-        elif self._tokens_host is None:
-            pass  # a batch was not sized: the token count stays unknown for the run
-        elif isinstance(tokens, torch.Tensor):
-            self._tokens_dev = tokens if self._tokens_dev is None else self._tokens_dev + tokens
-        else:
-            self._tokens_host += tokens
-
-    def _run_tokens(self) -> int | None:
-        """Tokens of the current run on this rank."""
-        if self._tokens_dev is not None and self._tokens_host is not None:
-            self._tokens_host += int(self._tokens_dev.item())  # only at logging windows
-        self._tokens_dev = None
-        return self._tokens_host
+        self._run.add(count.samples, count.tokens)  # a device token count is read only at logging windows
 
     def _totals(self) -> tuple[float, int | None, int | None]:
         """Device-hours, tokens and samples so far: earlier runs plus the current one, all devices."""
         n = self._devices
-        run_s = self._clock() - self._t0 if self._t0 is not None else 0.0
-        tokens = _plus(self._tokens_before, self._run_tokens(), n)
-        return self._hours_before + run_s / 3600 * n, tokens, _plus(self._samples_before, self._samples, n)
+        run = self._run.counts()
+        return (
+            self._hours_before + run.seconds / 3600 * n,
+            _plus(self._tokens_before, run.tokens, n),
+            _plus(self._samples_before, run.samples, n),
+        )
 
     def _idle_fraction(self, trainer: pl.Trainer) -> float | None:
         gpu = find_callback(trainer, "GPUMonitor")
@@ -238,10 +222,9 @@ class CostMonitor(Callback):
     def report(self, trainer: pl.Trainer) -> CostReport:
         """The cost so far (all devices, earlier runs included), projected at the current run's rate to
         ``target_tokens`` or the run's optimizer steps."""
-        run_s = self._clock() - self._t0 if self._t0 is not None else 0.0
         _, tokens, samples = self._totals()
         return cost_report(
-            run_s,
+            self._run.seconds(),
             self._devices,
             self._price,
             tokens,
@@ -324,7 +307,7 @@ class CostMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the figures of earlier runs. A state without ``device_hours`` (older CostMonitor: wall seconds and
         one device's counts) is billed at the world size of the run that resumes it, with one warning."""
-        running = self._t0 is not None
+        running = self._run.started
         # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
         # validate/test/predict restores start no fit, and a load while training is this fit's.
         self._restored = self._stage in (None, "fit") and not running

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,7 +29,7 @@ from lightning_trainopt.callbacks._common import (
 from lightning_trainopt.core.flops import SeqFlops, fit_seq_flops, transformer_flops
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
 from lightning_trainopt.core.model_shape import GPTConfig
-from lightning_trainopt.core.throughput import BatchSize, throughput
+from lightning_trainopt.core.throughput import BatchSize, TrainingWindow, WindowCounts
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["SpeedMonitor"]
@@ -68,7 +69,7 @@ def _recompute_from_callbacks(trainer: pl.Trainer, n_blocks: int | None) -> floa
         return None
     from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
 
-    for cb in trainer.callbacks:
+    for cb in getattr(trainer, "callbacks", []):
         if isinstance(cb, ActivationCheckpointing) and cb.plan is not None:
             return cb.recomputed_fraction
     return None
@@ -162,12 +163,11 @@ class SpeedMonitor(Callback):
         self._start_step = 0
         self._world_size = 1
         self._recompute = 0.0
-        self._totals: dict[str, Any] = _fresh_totals()
+        self._total = WindowCounts()  # the closed windows of this run (warm-up excluded)
+        self._window = TrainingWindow(self._clock)  # the open window: time (paused by validation) and counts
         # Set by load_state_dict (Lightning restores callbacks after `setup`): this fit continues a checkpointed run.
         self._restored: dict[str, Any] | None = None
-        self._paused_at: float | None = None
         self._new_fit()
-        self._reset_window()
 
     def _new_fit(self) -> None:
         self._sizer = BatchSizer(
@@ -179,23 +179,13 @@ class SpeedMonitor(Callback):
         # (model, hardware) FLOPs per (samples, seq_len): evaluating the fit's fractions costs ~0.1 ms.
         self._fit_cache: dict[tuple[int, int | None], tuple[int, int]] = {}
 
-    def _reset_window(self) -> None:
-        self._w_carried = 0.0  # seconds of this window measured before a checkpoint (resume)
-        self._w_batches = 0
-        self._w_samples: int | None = 0
-        self._w_tokens: int | torch.Tensor | None = 0
-        self._w_model_flops = 0
-        self._w_hw_flops = 0
-        self._w_start: float | None = None
-        self._w_flops_known = True
-
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restored = None  # only a restore that follows this `setup` belongs to this run
         if stage != "fit":
             return
-        self._totals = _fresh_totals()  # a new fit is measured afresh; load_state_dict (after setup) may restore
-        self._paused_at = None
+        self._total = WindowCounts()  # a new fit is measured afresh; load_state_dict (after setup) may restore
+        self._window.reset()
         spec = self.hardware
         self._spec = spec if isinstance(spec, HardwareSpec) else hardware_spec(spec or "auto")
         on_gpu = trainer.strategy.root_device.type == "cuda"
@@ -211,60 +201,43 @@ class SpeedMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         cfg = getattr(pl_module, "config", None)
         n_blocks = cfg.n_layers if isinstance(cfg, GPTConfig) else None
-        self._recompute = (
+        recompute = (
             self.recompute_fraction
             if self.recompute_fraction is not None
             else _recompute_from_callbacks(trainer, n_blocks)
         )
-        if self._recompute is None:
-            self._recompute = checkpointed_fraction(pl_module, n_blocks)
+        self._recompute = checkpointed_fraction(pl_module, n_blocks) if recompute is None else recompute
         self._edge.reset(trainer)
         self._start_step = trainer.global_step
         self._world_size = trainer.world_size
         self._new_fit()
-        self._reset_window()
-        self._paused_at = None
+        self._window.reset()
         restored, self._restored = self._restored, None
         if restored is not None:
             # Resumed: warm-up counts from the run's first step, and the window open at save time goes on.
             self._start_step = int(restored.get("start_step", trainer.global_step))
             window = restored.get("window")
             if window:
-                self._w_carried = float(window["seconds"])
-                self._w_batches = int(window["batches"])
-                self._w_samples = window["samples"]
-                self._w_tokens = window["tokens"]
-                self._w_model_flops = int(window["model_flops"])
-                self._w_hw_flops = int(window["hardware_flops"])
-                self._w_flops_known = bool(window["flops_known"])
+                self._window.restore(WindowCounts.from_dict(window))
         self._warmup = default_warmup(self.warmup_steps, trainer.max_steps, self._start_step)
-
-    def _window_seconds(self) -> float:
-        """Training seconds of the open window so far: the carried part, then from its start (paused: to the pause)."""
-        if self._w_start is None:
-            return self._w_carried
-        now = self._paused_at if self._paused_at is not None else self._clock()
-        return self._w_carried + now - self._w_start
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation (val_check_interval, epoch end) is not training: stop the window's clock. No window is open
         # during the sanity check (it runs before on_train_start).
-        if self._paused_at is not None or self._w_start is None:
+        if self._window.paused or not self._window.started:
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # the window's queued training work belongs to it
-        self._paused_at = self._clock()
+        self._window.pause()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._paused_at is None:
+        if not self._window.paused:
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # the validation's queued work is not the window's
-        if self._w_start is not None:
-            self._w_start += self._clock() - self._paused_at
-        self._paused_at = None
+        self._window.resume()
 
     def _with_recompute(self, model_flops: int) -> int:
         return int(round(model_flops * (1 + self._recompute / 3)))
@@ -272,7 +245,7 @@ class SpeedMonitor(Callback):
     def _flops_unknown(self, reason: str) -> None:
         self._flops_source = UNKNOWN
         self._flops_note = reason
-        self._totals["flops_known"] = False
+        self._total = replace(self._total, model_flops=None, hardware_flops=None)
         rank_zero_warn(
             f"SpeedMonitor: FLOPs unknown, so MFU, HFU and TFLOP/s are left out (tokens/s and samples/s are still "
             f"reported): {reason[:800]}. Pass SpeedMonitor(flops_per_batch_fn=batch -> training FLOPs of the "
@@ -342,16 +315,9 @@ class SpeedMonitor(Callback):
     ) -> None:
         count = self._sizer(batch)
         flops = self._batch_flops(trainer, pl_module, batch, count.shape)  # before the clock: counting is not timed
-        if self._w_start is None:
-            self._w_start = self._clock()
-        self._w_batches += 1
-        self._w_samples = None if self._w_samples is None or count.samples is None else self._w_samples + count.samples
-        self._w_tokens = None if self._w_tokens is None or count.tokens is None else self._w_tokens + count.tokens
-        if flops is None:
-            self._w_flops_known = False
-        else:
-            self._w_model_flops += flops[0]
-            self._w_hw_flops += flops[1]
+        self._window.start()
+        model, hardware = flops if flops is not None else (None, None)
+        self._window.add(count.samples, count.tokens, model, hardware)
 
     @override
     def on_train_batch_end(
@@ -361,45 +327,27 @@ class SpeedMonitor(Callback):
             return
         step = trainer.global_step
         if step - self._start_step <= self._warmup:
-            self._reset_window()
-            self._w_start = self._clock()
+            self._window.reset()
+            self._window.start()
             return
         last = trainer.max_steps is not None and 0 < trainer.max_steps <= step
         if last or step % log_interval(trainer, self.log_every_n_steps) == 0:
             self._close_window(trainer, pl_module)
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._w_batches or (self._w_start is None and not self._w_carried):
+        window = self._window
+        if not window.batches or (not window.started and not window.seconds()):
             return
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)  # once per window: the window's GPU work is done
-        seconds = self._window_seconds()
-        tokens = int(self._w_tokens.item()) if isinstance(self._w_tokens, torch.Tensor) else self._w_tokens
-        samples = self._w_samples
-        if seconds <= 0:
-            self._reset_window()
+        counts = window.close()  # the next window's clock starts now
+        if counts.seconds <= 0:
+            window.reset()
             return
-        known = self._w_flops_known
-        tp = throughput(
-            seconds,
-            samples,
-            tokens,
-            trainer.world_size,
-            self._w_model_flops if known else None,
-            self._w_hw_flops if known else None,
-            self._peak,
-        )
-        t = self._totals
-        t["seconds"] += seconds
-        t["samples"] = None if t["samples"] is None or samples is None else t["samples"] + samples
-        t["tokens"] = None if t["tokens"] is None or tokens is None else t["tokens"] + tokens
-        t["flops_known"] = t["flops_known"] and known
-        t["model_flops"] += self._w_model_flops
-        t["hardware_flops"] += self._w_hw_flops
-        metrics = {f"throughput/{k}": v for k, v in tp.to_dict().items() if v is not None and k != "seconds"}
+        self._total += counts
+        rates = counts.rates(trainer.world_size, self._peak)
+        metrics = {f"throughput/{k}": v for k, v in rates.to_dict().items() if v is not None and k != "seconds"}
         log_metrics(trainer, metrics)
-        self._reset_window()
-        self._w_start = self._clock()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -407,7 +355,7 @@ class SpeedMonitor(Callback):
         # The last window may be partial (fewer steps than log_every_n_steps, an epoch-based end): close it so that
         # short runs are measured too.
         self._close_window(trainer, pl_module)
-        self._reset_window()
+        self._window.reset()
 
     def summary(self) -> dict[str, Any]:
         """``{"throughput": {...}}``: means over this fit's closed windows (warm-up excluded) for metrics.json.
@@ -420,8 +368,8 @@ class SpeedMonitor(Callback):
         ``c, a, b``, lengths and call, flop counter only), ``flops_note`` (why FLOPs are unknown) and
         ``recompute_fraction``.
         """
-        t = self._totals
-        known = bool(t["flops_known"]) and t["model_flops"] > 0
+        t = self._total
+        known = bool(t.model_flops)
         out: dict[str, Any] = {
             "dtype": self._dtype,
             "peak_tflops": self._peak / 1e12 if self._peak else None,
@@ -433,54 +381,33 @@ class SpeedMonitor(Callback):
             "flops_fit": self._fit.to_dict() if self._fit is not None else None,
             "flops_note": self._flops_note,
             "recompute_fraction": self._recompute,
-            "seconds": t["seconds"],
-            "samples": t["samples"],
-            "tokens": t["tokens"],
+            "seconds": t.seconds,
+            "samples": t.samples,
+            "tokens": t.tokens,
         }
-        if t["seconds"] > 0:
-            tp = throughput(
-                t["seconds"],
-                t["samples"],
-                t["tokens"],
-                self._world_size,
-                int(t["model_flops"]) if known else None,
-                int(t["hardware_flops"]) if known else None,
-                self._peak,
-            )
-            out.update(tp.to_dict())
-            out["flops_per_token"] = t["model_flops"] / t["tokens"] if known and t["tokens"] else None
+        if t.seconds > 0:
+            counted = t if known else replace(t, model_flops=None, hardware_flops=None)
+            out.update(counted.rates(self._world_size, self._peak).to_dict())
+            out["flops_per_token"] = t.model_flops / t.tokens if t.model_flops and t.tokens else None
         return {"throughput": json_safe(out)}
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """Plain data (``torch.load(weights_only=True)`` reads it): totals, the open window and the run's first step.
 
-        Keys: ``totals`` (closed windows, as in :meth:`summary`), ``window`` (the open window: ``seconds`` of
-        training so far, ``batches``, ``samples``, ``tokens`` (``None``: unknown), ``model_flops``,
-        ``hardware_flops``, ``flops_known``) and ``start_step`` (the global step the run started at, for warm-up).
+        Keys: ``totals`` (the closed windows) and ``window`` (the open one, its ``seconds`` of training so far), each
+        :meth:`~lightning_trainopt.core.throughput.WindowCounts.to_dict` (``seconds``, ``batches``, ``samples``,
+        ``tokens``, ``model_flops``, ``hardware_flops``, ``flops_known``; ``None``: unknown), and ``start_step`` (the
+        global step the run started at, for warm-up).
         """
         if self._restored is not None:  # loaded and not applied yet (no fit since): saved as it was loaded
-            return {"totals": dict(self._totals), **self._restored}
-        tokens = self._w_tokens
-        if isinstance(tokens, torch.Tensor):
-            tokens = int(tokens.item())  # a device counter: read back once, at checkpoint time
-        window = {
-            "seconds": float(self._window_seconds()),
-            "batches": int(self._w_batches),
-            "samples": None if self._w_samples is None else int(self._w_samples),
-            "tokens": None if tokens is None else int(tokens),
-            "model_flops": int(self._w_model_flops),
-            "hardware_flops": int(self._w_hw_flops),
-            "flops_known": bool(self._w_flops_known),
-        }
-        return {"totals": dict(self._totals), "window": window, "start_step": int(self._start_step)}
+            return {"totals": self._total.to_dict(), **self._restored}
+        # The open window's device token counter is read back here, once, at checkpoint time.
+        window = self._window.counts().to_dict()
+        return {"totals": self._total.to_dict(), "window": window, "start_step": int(self._start_step)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._totals = {"flops_known": True, **state_dict["totals"]}
+        self._total = WindowCounts.from_dict(state_dict["totals"])
         # Applied in on_train_start; a checkpoint from before the open window was saved has only "totals".
         self._restored = {k: state_dict[k] for k in ("window", "start_step") if k in state_dict}
-
-
-def _fresh_totals() -> dict[str, Any]:
-    return {"seconds": 0.0, "samples": 0, "tokens": 0, "model_flops": 0, "hardware_flops": 0, "flops_known": True}

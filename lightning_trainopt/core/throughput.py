@@ -1,14 +1,17 @@
-"""Throughput arithmetic: samples and tokens of a batch, and rates, MFU and HFU over a window of steps."""
+"""Throughput arithmetic: samples and tokens of a batch, rates, MFU and HFU over a window of steps, and the window
+accumulator that the measuring callbacks share (:class:`TrainingWindow`; Lightning's ``Throughput`` plays this part
+for its ``ThroughputMonitor``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-__all__ = ["BatchSize", "ThroughputWindow", "batch_size_of", "throughput"]
+__all__ = ["BatchSize", "ThroughputWindow", "TrainingWindow", "WindowCounts", "batch_size_of", "throughput"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +129,177 @@ def throughput(
         mfu=mfu,
         hfu=hfu,
     )
+
+
+def _plus(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
+
+
+@dataclass(frozen=True)
+class WindowCounts:
+    """What one device processed in a span of training: seconds, micro-batches, samples, tokens and FLOPs.
+
+    A count is ``None`` when it is unknown (a micro-batch that could not be sized, FLOPs that could not be counted);
+    a sum with an unknown count is unknown.
+    """
+
+    seconds: float = 0.0
+    batches: int = 0
+    samples: int | None = 0
+    tokens: int | None = 0
+    model_flops: int | None = 0
+    hardware_flops: int | None = 0
+
+    def __add__(self, other: WindowCounts) -> WindowCounts:
+        return WindowCounts(
+            self.seconds + other.seconds,
+            self.batches + other.batches,
+            _plus(self.samples, other.samples),
+            _plus(self.tokens, other.tokens),
+            _plus(self.model_flops, other.model_flops),
+            _plus(self.hardware_flops, other.hardware_flops),
+        )
+
+    def rates(self, world_size: int = 1, peak_flops: float | None = None) -> ThroughputWindow:
+        """:func:`throughput` of these counts (``seconds`` must be positive)."""
+        return throughput(
+            self.seconds, self.samples, self.tokens, world_size, self.model_flops, self.hardware_flops, peak_flops
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint (``torch.load(weights_only=True)`` reads it); ``flops_known`` is redundant
+        with ``model_flops is not None`` and kept for readers of the checkpoint."""
+        return {**asdict(self), "flops_known": self.model_flops is not None}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> WindowCounts:
+        """Inverse of :meth:`to_dict`; missing keys take their defaults, ``flops_known: False`` unknown FLOPs."""
+
+        def count(key: str) -> int | None:
+            value = state.get(key, 0)
+            return None if value is None else int(value)
+
+        known = bool(state.get("flops_known", True))
+        return cls(
+            seconds=float(state.get("seconds", 0.0)),
+            batches=int(state.get("batches", 0)),
+            samples=count("samples"),
+            tokens=count("tokens"),
+            model_flops=count("model_flops") if known else None,
+            hardware_flops=count("hardware_flops") if known else None,
+        )
+
+
+class TrainingWindow:
+    """Training seconds and the counts of the micro-batches trained in them, over a window that opens, pauses (for
+    validation), resumes and closes.
+
+    Pure accounting: time comes from ``clock``, counts from the caller; nothing here knows a Trainer. Token counts
+    given as 0-d device tensors (an attention mask's sum) are summed on the device and read back to the host only by
+    :meth:`counts` (and so :meth:`close`), once per window, so adding a micro-batch never synchronises a step.
+
+    Args:
+        clock: seconds since an arbitrary origin (default ``time.perf_counter``; tests inject a fake).
+
+    Example::
+
+        window = TrainingWindow()
+        window.start()
+        window.add(samples=4, tokens=512, model_flops=6e9)
+        rates = window.close().rates(world_size=8, peak_flops=989e12)
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every count and stop the clock (closed: :meth:`start` opens it again)."""
+        self._carried = WindowCounts()
+        self._counts = WindowCounts()
+        self._device_tokens: torch.Tensor | None = None
+        self._start: float | None = None
+        self._paused_at: float | None = None
+
+    def restore(self, counts: WindowCounts) -> None:
+        """Start from ``counts`` measured earlier (a checkpoint's open window): the clock stays closed, its seconds
+        are carried."""
+        self.reset()
+        self._carried = counts
+
+    @property
+    def started(self) -> bool:
+        """The clock has started (running or paused)."""
+        return self._start is not None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    @property
+    def batches(self) -> int:
+        """Micro-batches added (carried ones included)."""
+        return self._carried.batches + self._counts.batches
+
+    def start(self) -> None:
+        """Start the clock now, unless it has started already."""
+        if self._start is None:
+            self._start = self._clock()
+
+    def pause(self) -> None:
+        """Stop counting time (validation) until :meth:`resume`; does nothing unless the clock runs."""
+        if self._start is not None and self._paused_at is None:
+            self._paused_at = self._clock()
+
+    def resume(self) -> None:
+        """Count time again after :meth:`pause`; the paused span is left out."""
+        if self._paused_at is not None and self._start is not None:
+            self._start += self._clock() - self._paused_at
+        self._paused_at = None
+
+    def seconds(self) -> float:
+        """Training seconds so far: the carried ones, then from the start to now (paused: to the pause)."""
+        if self._start is None:
+            return self._carried.seconds
+        now = self._paused_at if self._paused_at is not None else self._clock()
+        return self._carried.seconds + now - self._start
+
+    def add(
+        self,
+        samples: int | None,
+        tokens: int | torch.Tensor | None,
+        model_flops: int | None = 0,
+        hardware_flops: int | None = None,
+    ) -> None:
+        """Count one micro-batch (``None``: unknown; ``hardware_flops`` defaults to ``model_flops``)."""
+        c = self._counts
+        host_tokens: int | None = 0
+        if tokens is None or c.tokens is None:
+            host_tokens, self._device_tokens = None, None
+        elif isinstance(tokens, torch.Tensor):
+            detached = tokens.detach()
+            self._device_tokens = detached if self._device_tokens is None else self._device_tokens + detached
+        else:
+            host_tokens = int(tokens)
+        self._counts = replace(
+            c,
+            batches=c.batches + 1,
+            samples=_plus(c.samples, samples),
+            tokens=_plus(c.tokens, host_tokens),
+            model_flops=_plus(c.model_flops, model_flops),
+            hardware_flops=_plus(c.hardware_flops, model_flops if hardware_flops is None else hardware_flops),
+        )
+
+    def counts(self) -> WindowCounts:
+        """Everything so far, carried counts included; reads a device token counter back (one sync)."""
+        if self._device_tokens is not None:
+            device, self._device_tokens = self._device_tokens, None
+            self._counts = replace(self._counts, tokens=_plus(self._counts.tokens, int(device.item())))
+        return self._carried + replace(self._counts, seconds=self.seconds() - self._carried.seconds)
+
+    def close(self) -> WindowCounts:
+        """:meth:`counts`, then an empty window whose clock starts now (the next window follows without a gap)."""
+        counts = self.counts()
+        self.reset()
+        self.start()
+        return counts
