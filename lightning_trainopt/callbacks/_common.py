@@ -22,8 +22,14 @@ def default_clock() -> float:
 
 
 def log_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int | None = None) -> None:
-    """Send ``metrics`` to every logger of the Trainer, from global rank 0 only (no collective, no sync)."""
-    if not trainer.is_global_zero or not metrics:
+    """Send ``metrics`` to every logger of the Trainer from global rank 0 (no collective, no sync), and put them into
+    ``trainer.callback_metrics`` on every rank, as 0-d CPU tensors (as Lightning's ``LearningRateMonitor`` does), so
+    that ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and whoever reads the Trainer's metrics see the latest
+    figures. CPU tensors: putting them there moves nothing to or from a device."""
+    if not metrics:
+        return
+    trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+    if not trainer.is_global_zero:
         return
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step if step is None else step)

@@ -134,6 +134,7 @@ def _stand_in(world_size: int, global_step: int, max_steps: int = 100) -> Simple
         callbacks=[],
         is_global_zero=True,
         loggers=[],
+        callback_metrics={},
         log_every_n_steps=1,
     )
 
