@@ -2,17 +2,21 @@
 
 Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``,
 ``torch.cuda._get_nvml_device_index``, read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data``, override
-``FlopCounterMode._count_flops`` or ask ``torch.utils.cpp_extension`` for a JIT build directory; when torch changes
-them, only this file changes.
+``FlopCounterMode._count_flops``, define a ``TorchDispatchMode``, reach ``torch._C._nn.linear`` or ask
+``torch.utils.cpp_extension`` for a JIT build directory; when torch changes them, only this file changes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
+    "MetaTruthValues",
+    "builtin_linear",
     "RecomputeFlopCounter",
     "ddp_comm_hook_name",
     "ddp_comm_hook_state",
@@ -159,6 +163,67 @@ class RecomputeFlopCounter:
     def recomputed(self) -> int | None:
         """FLOPs recomputed by activation checkpointing during backward; ``None`` where torch cannot tell."""
         return self._recomputed if self._supported else None
+
+
+class MetaTruthValues:
+    """Inside it, reading the truth value of a one-element boolean meta tensor (``bool(t)``, ``t.item()``,
+    ``if mask.all():``) gives ``True`` instead of raising "Tensor.item() cannot be called on meta tensors".
+
+    For counting FLOPs on meta tensors a forward whose code asks a yes/no question of its inputs' values: Hugging
+    Face's mask code asks whether every token of a padding mask is real, and whether position ids hold packed
+    sequences, to pick a faster path that runs the same matrix products. Reads of other values (``int(mask.sum())``)
+    still raise. A ``torch.utils._python_dispatch.TorchDispatchMode``; ``reads`` counts the answers given.
+
+    Example::
+
+        with FlopCounterMode(), MetaTruthValues() as truth:
+            model_on_meta(**meta_batch)
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        owner = self
+        scalar = torch.ops.aten._local_scalar_dense.default
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                t = args[0] if args else None
+                if func is scalar and isinstance(t, torch.Tensor) and t.is_meta and t.dtype == torch.bool:
+                    owner.reads += 1
+                    return True
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self.reads = 0
+
+    def __enter__(self) -> MetaTruthValues:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._mode.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def builtin_linear() -> Iterator[None]:
+    """Inside it, ``torch.nn.functional.linear`` is torch's own again where DeepSpeed ZeRO-3 replaced it.
+
+    ZeRO-3 swaps it, process-wide and for the whole run, for ``zero3_linear_wrap``, an autograd ``Function`` whose
+    forward runs with grad mode off; a FLOP count on a meta copy would then take the forward that activation
+    checkpointing replays for backward work (see :class:`RecomputeFlopCounter`). Any other replacement is kept.
+    """
+    functional = torch.nn.functional
+    current = functional.linear
+    builtin = getattr(torch._C._nn, "linear", None)
+    if builtin is None or current is builtin or not getattr(current, "__module__", "").startswith("deepspeed."):
+        yield
+        return
+    functional.linear = builtin
+    try:
+        yield
+    finally:
+        functional.linear = current
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

@@ -9,8 +9,10 @@ pass costs twice the forward, and attention scores/values count the full ``T x T
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -84,18 +86,69 @@ def transformer_flops(cfg: GPTConfig, seq_len: int, batch_size: int = 1) -> Tran
     )
 
 
-def meta_copy(module: nn.Module, share: tuple[Any, ...] = ()) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory is allocated).
+def _unwrapped_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The module class before FSDP2 swapped it for its ``FSDP<Name>`` subclass (which refuses to be copied)."""
+    index = getattr(cls, "_orig_cls_mro_index", None)
+    if isinstance(index, int) and any(c.__name__ == "FSDPModule" for c in cls.__mro__):
+        return cls.__mro__[index]
+    return cls
 
-    Objects in ``share`` (e.g. a LightningModule's Trainer) are referenced by the copy, not copied.
+
+def _full_meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s full shape: a DeepSpeed ZeRO-3 placeholder has its real shape in ``ds_shape``, a
+    DTensor (an FSDP2 or tensor-parallel shard) its global shape in ``shape``."""
+    shape = getattr(t, "ds_shape", None)
+    meta = torch.empty(tuple(shape) if shape is not None else tuple(t.shape), dtype=t.dtype, device="meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+def _copy_value(value: Any, memo: dict[int, Any]) -> Any:
+    """A deep copy of a module attribute, or the object itself where it cannot be copied (a process group, a lock):
+    the meta copy only reads such objects."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = _full_meta(value)
+        return memo[id(value)]
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # any object may refuse copying in any way; sharing it is what the copy needs
+        return value
+
+
+def _clone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    if id(module) in memo:  # a module reached twice (weight sharing) stays one module
+        return memo[id(module)]
+    cls = _unwrapped_class(type(module))
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    state: dict[str, Any] = {}
+    for name, value in vars(module).items():
+        if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+            state[name] = type(value)() if type(value) in (dict, OrderedDict) else OrderedDict()
+        elif name in ("_parameters", "_buffers"):
+            state[name] = {k: None if t is None else _copy_value(t, memo) for k, t in value.items()}
+        elif name == "_modules":
+            state[name] = {k: None if m is None else _clone(m, memo) for k, m in value.items()}
+        else:
+            state[name] = _copy_value(value, memo)
+    new.__dict__.update(state)
+    return new
+
+
+def meta_copy(module: nn.Module, share: tuple[Any, ...] = ()) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers live on the meta device (no memory is allocated), without
+    any hook.
+
+    Copied this way, any module can be counted however a strategy has wrapped it: the hooks of a sharding engine
+    (DeepSpeed ZeRO-3's parameter fetches, FSDP2's all-gathers) are left behind, so counting on the copy never runs
+    them (DeepSpeed's fetch trace broke the real step afterwards: ``IndexError: pop from an empty deque``); hooks
+    compute no matrix product, so the FLOPs stay the model's. Parameters take their full shape (a ZeRO-3 placeholder
+    its ``ds_shape``, an FSDP2 or tensor-parallel DTensor its global shape) and FSDP2's ``FSDP<Name>`` classes go
+    back to their own. Objects in ``share`` (e.g. a LightningModule's Trainer), and attributes that refuse to be
+    copied, are referenced by the copy, not copied.
     """
     memo: dict[int, Any] = {id(obj): obj for obj in share}
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in memo:
-            continue
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    return _clone(module, memo)
 
 
 def _to_meta(obj: Any, shape_of: Callable[[torch.Tensor], list[int]] | None = None) -> Any:
@@ -228,13 +281,15 @@ def _count(
     inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     backward: bool = True,
+    truth_values: bool = False,
 ) -> FlopCount:
-    from lightning_trainopt.core._torch_private import RecomputeFlopCounter
+    from lightning_trainopt.core._torch_private import MetaTruthValues, RecomputeFlopCounter, builtin_linear
 
     counter = RecomputeFlopCounter()
     args, kwargs = convention.split(inputs)
+    truth = MetaTruthValues() if truth_values else contextlib.nullcontext()
     try:
-        with torch.enable_grad(), counter:
+        with torch.enable_grad(), builtin_linear(), counter, truth:
             out = model(*args, **kwargs)
             if backward:
                 loss = (loss_fn or _default_loss)(out)
@@ -275,6 +330,8 @@ def count_flops(
 
 
 _ZERO3 = (Fraction(0), Fraction(0), Fraction(0))
+#: How a call counted with :class:`~lightning_trainopt.core._torch_private.MetaTruthValues` reads in ``SeqFlops.call``.
+_TRUTH = " [truth values of meta tensors read as True]"
 
 
 def _poly(coeffs: tuple[Fraction, Fraction, Fraction], samples: int, seq_len: int | None) -> int:
@@ -378,7 +435,10 @@ def fit_seq_flops(
     One meta-device copy of ``module`` runs forward + backward under ``torch.utils.flop_counter`` at the batch's own
     length and at three others (the batch's tensors resized along their sequence dimensions): three counts fix
     ``c, a, b`` exactly, the fourth must agree within ``tolerance``. The call convention is the first of
-    :func:`call_conventions` that runs. Costs a few forward/backward passes on meta tensors, once.
+    :func:`call_conventions` that runs. Where none runs, they are tried again with yes/no questions about tensor
+    values answered ``True`` (:class:`~lightning_trainopt.core._torch_private.MetaTruthValues`: Hugging Face's mask
+    code asks whether a padding mask has no padding and whether position ids hold packed sequences, to choose a path
+    with the same matrix products); ``call`` then says so. Costs a few forward/backward passes on meta tensors, once.
 
     Args:
         module: the module whose ``forward`` the batch is given to (a LightningModule's ``forward``).
@@ -396,15 +456,18 @@ def fit_seq_flops(
     model = meta_copy(module, share)
     errors: list[str] = []
     base: FlopCount | None = None
-    for convention in call_conventions(module, batch):
+    # Truth values of meta tensors are answered only where no call runs without them (see MetaTruthValues).
+    attempts = [(c, truth) for truth in (False, True) for c in call_conventions(module, batch)]
+    for convention, truth in attempts:
         try:
-            base = _count(model, convention, _to_meta(batch), loss_fn)
+            base = _count(model, convention, _to_meta(batch), loss_fn, truth_values=truth)
         except Exception as err:  # the module's own code may fail in any way on meta tensors: try the next call
-            errors.append(f"{convention.describe} -> {_first_line(err)}")
+            errors.append(f"{convention.describe}{_TRUTH if truth else ''} -> {_first_line(err)}")
             continue
         break
     if base is None:
         raise RuntimeError("; ".join(errors))
+    call = f"{convention.describe}{_TRUTH if truth else ''}"
     recompute_share = None if base.recomputed is None else Fraction(base.recomputed, base.forward or 1)
     if seq_len is None:
         return SeqFlops(
@@ -412,7 +475,7 @@ def fit_seq_flops(
             Fraction(0),
             Fraction(0),
             (),
-            convention.describe,
+            call,
             (Fraction(base.recomputed or 0, samples), Fraction(0), Fraction(0)),
             recompute_share,
         )
@@ -421,21 +484,22 @@ def fit_seq_flops(
     for only_dim1 in (False, True):
         try:
             counts = [
-                _count(model, convention, _to_meta(batch, _resized(seq_len, n, only_dim1)), loss_fn) for n in lengths
+                _count(model, convention, _to_meta(batch, _resized(seq_len, n, only_dim1)), loss_fn, truth_values=truth)
+                for n in lengths
             ]
         except Exception as err:  # as above: a resize this module does not accept
-            errors.append(f"{convention.describe} at lengths {lengths} -> {_first_line(err)}")
+            errors.append(f"{call} at lengths {lengths} -> {_first_line(err)}")
             continue
         break
     if counts is None:
-        raise RuntimeError(f"{convention.describe} runs at T={seq_len} only: " + "; ".join(errors))
+        raise RuntimeError(f"{call} runs at T={seq_len} only: " + "; ".join(errors))
     counted = [(seq_len, base), *zip(lengths, counts)]
     model_points = [(t, Fraction(c.model, samples)) for t, c in counted]
     recompute_points = [(t, Fraction(c.recomputed or 0, samples)) for t, c in counted]
     fit = SeqFlops(
         *_quadratic(model_points[:3]),
         tuple(t for t, _ in counted),
-        convention.describe,
+        call,
         _quadratic(recompute_points[:3]),
         recompute_share,
     )
@@ -446,7 +510,7 @@ def fit_seq_flops(
     ):
         if abs(predicted - actual) > tolerance * abs(actual):
             raise RuntimeError(
-                f"the {what}FLOPs of {convention.describe} do not follow B*(c + a*T + b*T^2): counted {actual} at "
+                f"the {what}FLOPs of {call} do not follow B*(c + a*T + b*T^2): counted {actual} at "
                 f"T={check_len}, the fit through T={list(fit.lengths[:3])} predicts {predicted}"
             )
     return fit
