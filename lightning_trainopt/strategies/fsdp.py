@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -15,7 +18,52 @@ from lightning_trainopt.core.checkpoint_files import commit_staged, discard_stag
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.strategies.spec import StrategySpec, fsdp_spec
 
-__all__ = ["TrainOptFSDPStrategy", "apply_fully_shard"]
+__all__ = ["TrainOptFSDPStrategy", "apply_fully_shard", "block_classes"]
+
+
+def _own_class(module: torch.nn.Module) -> type:
+    """The module's class, before FSDP2 swapped it for ``FSDP<Name>``."""
+    cls = type(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)
+    return cls.__mro__[index] if isinstance(index, int) else cls
+
+
+def block_classes(root: torch.nn.Module) -> list[str]:
+    """The class names of the model's repeated block, the units FSDP2 shards when ``shard_modules`` is not given.
+
+    The classes a Hugging Face model names in ``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``: the blocks
+    that must stay whole) that occur in it; else the class of the ``nn.ModuleList`` of same-class modules that holds
+    the most parameters (a transformer's blocks: ``Block`` of our GPT, ``TransformerEncoderLayer`` of
+    ``nn.TransformerEncoder``); else none.
+    """
+    from lightning_trainopt.techniques.checkpointing import find_block_list
+
+    present = {_own_class(m).__name__ for m in root.modules()}
+    named: list[str] = []
+    for module in root.modules():
+        for name in sorted(getattr(module, "_no_split_modules", None) or ()):
+            if isinstance(name, str) and name in present and name not in named:
+                named.append(name)
+    if named:
+        return named
+    found = find_block_list(root)
+    return [] if found is None else [_own_class(found[1][0]).__name__]
+
+
+@contextlib.contextmanager
+def _without_configure_model_check(module: pl.LightningModule) -> Iterator[None]:
+    """Lightning's ``ModelParallelStrategy.setup`` refuses a LightningModule without ``configure_model``, where it
+    expects the user to apply the parallelism; this strategy applies it itself, so any module will do. A no-op
+    ``configure_model`` on the instance satisfies that check for the duration of ``setup`` (``configure_model`` has
+    run by then) and is removed after."""
+    if is_overridden("configure_model", module):
+        yield
+        return
+    module.__dict__["configure_model"] = lambda: None
+    try:
+        yield
+    finally:
+        module.__dict__.pop("configure_model", None)
 
 
 def apply_fully_shard(
@@ -40,7 +88,7 @@ def apply_fully_shard(
     }
     count = 0
     for module in root.modules():
-        if module is not root and type(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
+        if module is not root and _own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
             fully_shard(module, **kwargs)
             count += 1
     for child in root.children():
@@ -53,11 +101,15 @@ def apply_fully_shard(
 class TrainOptFSDPStrategy(ModelParallelStrategy):
     """FSDP2 full sharding over all processes (no tensor parallelism), usable with any LightningModule.
 
-    After ``configure_model`` builds the model, every module whose class name is in ``shard_modules`` becomes its
-    own FSDP2 unit, then each parameter-holding child of the LightningModule. Runs on CPU (gloo) and GPU.
+    After ``configure_model`` builds the model (a LightningModule without one works too: its model is built in
+    ``__init__``), every module whose class name is in ``shard_modules`` becomes its own FSDP2 unit, then each
+    parameter-holding child of the LightningModule. Runs on CPU (gloo) and GPU.
 
     Args:
-        shard_modules: class names to shard as units (the transformer block).
+        shard_modules: class names to shard as units (the transformer block). Default (``None``): the model's
+            repeated block, found by :func:`block_classes` (a Hugging Face model's ``_no_split_modules``, else the
+            class of its largest ``nn.ModuleList`` of same-class modules); a model with neither is sharded by its
+            top-level children only, and one line says so.
         cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
         preset: name reported in metrics.
@@ -72,17 +124,23 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        shard_modules: list[str] | tuple[str, ...] = ("Block",),
+        shard_modules: list[str] | tuple[str, ...] | None = None,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         preset: str = "fsdp",
         **kwargs: Any,
     ) -> None:
-        if isinstance(shard_modules, str) or not all(isinstance(s, str) for s in shard_modules):
-            raise ConfigError("strategy.shard_modules", shard_modules, "give a list of class names, e.g. [Block].")
+        if shard_modules is not None and (
+            isinstance(shard_modules, str) or not all(isinstance(s, str) and s for s in shard_modules)
+        ):
+            raise ConfigError(
+                "strategy.shard_modules",
+                shard_modules,
+                "give a list of class names, e.g. [Block], or null for the model's repeated block.",
+            )
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(**kwargs)
-        self.shard_modules = list(shard_modules)
+        self.shard_modules = None if shard_modules is None else list(shard_modules)
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.preset = preset
@@ -100,26 +158,51 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
 
+    def _units(self, model: torch.nn.Module) -> list[str]:
+        """The class names to shard: ``shard_modules``, each present in the model, or the model's repeated block."""
+        if self.shard_modules is None:
+            return block_classes(model)
+        present = {_own_class(m).__name__ for m in model.modules()}
+        missing = [name for name in self.shard_modules if name not in present]
+        if missing:
+            found = block_classes(model)
+            hint = f"its repeated block is {found}, which " if found else ""
+            raise ConfigError(
+                "strategy.shard_modules",
+                self.shard_modules,
+                f"{missing} matched no module of {type(model).__name__}; use class names of its modules ({hint}"
+                "shard_modules=null picks by itself).",
+            )
+        return self.shard_modules
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         from torch.distributed.fsdp import FSDPModule
 
         already = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        units = self._units(self.model)
         n = apply_fully_shard(
             self.model,
-            self.shard_modules,
+            units,
             self.device_mesh["data_parallel"],
             self.cpu_offload,
             self.reshard_after_forward,
         )
         if n == 0 and not already:
-            raise ConfigError("strategy.shard_modules", self.shard_modules, "no module of the model has such a class.")
-        if n:
-            rank_zero_info(
-                f"FSDP2: {n} modules sharded over {self.world_size} processes (cpu_offload={self.cpu_offload})."
+            raise ConfigError(
+                "strategy.shard_modules",
+                self.shard_modules,
+                f"{type(self.model).__name__} has no parameter to shard; FSDP needs a model with parameters.",
             )
-        super().setup(trainer)
+        if n:
+            by = f"{units} blocks" if units else "no repeated block found: top-level children only"
+            rank_zero_info(
+                f"FSDP2: {n} modules sharded over {self.world_size} processes ({by}; cpu_offload={self.cpu_offload})."
+            )
+        module = self.lightning_module
+        with contextlib.nullcontext() if module is None else _without_configure_model_check(module):
+            super().setup(trainer)
 
     @override
     def model_to_device(self) -> None:
