@@ -4,7 +4,9 @@ Usage: python tests/integration/_callbacks_ddp_script.py OUT_DIR [NAME,NAME,...]
   NAME,...: callbacks to run (default: every export); STRATEGY: ``ddp`` (default) or a preset of conf/strategy
   (``zero3``, ``fsdp``, ...), built by the app's builder with small buckets and every ZeRO-3 parameter partitioned;
   MODEL: ``ours`` (default: the tiny LitGPT on token tensors) or ``foreign`` (a module that is not ours: Hugging
-  Face style dict batches with padding and varying lengths, ``forward(**inputs)``, its own loss).
+  Face style dict batches with padding and varying lengths, ``forward(**inputs)``, its own loss), ``hf_llama`` or
+  ``hf_gpt2`` (a tiny transformers ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` in an ordinary LightningModule, padded
+  causal-LM dict batches; see tests/helpers/hf.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer  # noqa:
 KWARGS = {"MicroBatchFinder": {"budget_bytes": 200_000_000}}
 
 
-def _strategy(name: str) -> object:
+def _strategy(name: str, ours: bool = True) -> object:
     if name == "ddp":
         return "ddp"
     from omegaconf import OmegaConf
@@ -41,6 +43,8 @@ def _strategy(name: str) -> object:
     for key, value in small.items():
         if key in node:
             node[key] = value
+    if "shard_modules" in node and not ours:
+        node.shard_modules = None  # FSDP2 shards a module that is not ours by its own repeated block
     spec = PrecisionSpec(name="fp32", trainer_precision="32-true")
     return build_strategy(node, spec, {"accumulate_grad_batches": 1, "gradient_clip_val": None}, micro_batch_size=4)
 
@@ -48,12 +52,16 @@ def _strategy(name: str) -> object:
 def main(out: str, names: list[str], strategy: str = "ddp", model: str = "ours") -> None:
     warnings.simplefilter("ignore")
     callbacks = [getattr(cbs, name)(**KWARGS.get(name, {})) for name in names]
-    trainer = tiny_trainer(callbacks, max_steps=4, devices=2, strategy=_strategy(strategy))
+    trainer = tiny_trainer(callbacks, max_steps=4, devices=2, strategy=_strategy(strategy, model == "ours"))
     if model == "foreign":
         from tests.unit.callbacks._foreign import DictClassifier, loader, padded_batches
 
         # 8 batches: Lightning's DistributedSampler gives each rank 4, one per optimizer step.
         trainer.fit(DictClassifier(), loader(padded_batches(8)))
+    elif model.startswith("hf_"):
+        from tests.helpers.hf import hf_batches, hf_module, loader
+
+        trainer.fit(hf_module(model.removeprefix("hf_")), loader(hf_batches(8)))
     else:
         trainer.fit(tiny_module(), tiny_data())
     summaries = {type(cb).__name__: cb.summary() for cb in callbacks}
