@@ -75,7 +75,7 @@ class FitReport(Callback):
             "train_loss": _scalar(metrics.get(train_key)),
             "val_loss": _scalar(metrics.get(val_key)),
         }
-        figures.update(callback_summaries(trainer.callbacks))
+        figures.update(callback_summaries(getattr(trainer, "callbacks", [])))
         return figures
 
     def summary(self) -> dict[str, Any]:
