@@ -392,12 +392,12 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
 
 
 def _speed_kind(e: PlanEstimate) -> str:
-    """The search table's ``speed`` cell: measured, or the FLOPs model and whether offload time was added."""
+    """The search table's ``speed`` cell: measured, or the FLOPs model and whether offload or int8 time was added."""
     s = e.speed
     if s.source.startswith("measured"):
         return "measured"
     if s.step_time_s is not None and s.compute_s is not None and s.step_time_s > s.compute_s:
-        return "FLOPs x HFU + offload"
+        return "FLOPs x HFU + offload/int8"
     return "FLOPs x HFU"
 
 

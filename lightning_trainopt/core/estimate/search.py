@@ -101,7 +101,7 @@ def _reason(c: Candidate, best: Candidate | None, tied: int) -> str:
     if overhead is not None and e.speed.compute_s is not None and e.speed.step_time_s is not None:
         extra_s = e.speed.step_time_s - e.speed.compute_s
         if extra_s > 0:
-            head += f", +{extra_s:.3g} s/step offload"
+            head += f", +{extra_s:.3g} s/step beyond compute"
     if best is None or e.speed.usd_per_1b_tokens is None or best.estimate.speed.usd_per_1b_tokens is None:
         return head
     extra = e.speed.usd_per_1b_tokens / best.estimate.speed.usd_per_1b_tokens - 1

@@ -127,7 +127,8 @@ def test_the_search_table_and_json_report_margin_hfu_and_the_step_time(llama_7b_
     print_plan(llama_7b_search, console=Console(file=buf, width=400, color_system=None))
     screen = buf.getvalue()
     assert "margin GiB" in screen
-    assert "FLOPs x HFU + offload" in screen
+    assert "FLOPs x HFU + offload/int8" in screen
+    assert "s/step beyond compute" in screen
     rows = json.loads(json.dumps(llama_7b_search.to_dict()))["search"]["top"]
     win = rows[0]
     assert win["hfu"] == 0.4
