@@ -235,7 +235,7 @@ def _check_callback_schedules(callbacks: DictConfig, max_steps: Any) -> None:
             node.get("warmup_steps"),
             total,
             node.get("min_lr_ratio", 0.0),
-            prefix=f"callbacks.{name}",
+            prefix=f"callbacks.{name!s}",
             warmup_ratio=node.get("warmup_ratio"),
         )
 
