@@ -22,8 +22,8 @@ the half copies of every ``Linear`` weight are saved too (2 B per weight element
 Techniques: non-reentrant checkpointing keeps only each checkpointed block's input (``s·d``, ``s`` the residual
 stream's bytes); ``every_k`` checkpoints blocks 0, k, 2k, ...; 8-bit compression stores floating tensors of at
 least ``min_numel`` elements as int8 (padded to whole blocks) plus an fp32 scale per ``block`` elements
-(``techniques/compression.py``); offload moves saved tensors to
-CPU memory (device bytes 0).
+(``techniques/compression.py``); offload moves saved storages of at least ``min_numel`` elements to pinned CPU
+memory, each block rounded up to a power of two by torch's caching host allocator (``techniques/offload.py``).
 """
 
 from __future__ import annotations
