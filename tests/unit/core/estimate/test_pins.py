@@ -369,3 +369,40 @@ def test_the_whole_peak_is_a_valid_utilisation():
     s = estimate_speed(1e9, 1000, 1, 1e12, 1.0, None, 1e9)
     assert s.tokens_per_sec_per_device == pytest.approx(1000.0)
     assert s.step_time_s == pytest.approx(1.0)
+
+
+def _ranked_candidate(name: str, tps: float, usd: float | None, policy: ActivationPolicy) -> Candidate:
+    speed = SpeedEstimate(tps, 1.0, usd, 1.0, None if usd is None else 1.0, "test")
+    inputs = PlanInputs(ONE_BLOCK, activations=policy)
+    estimate = PlanEstimate(inputs, MemoryEstimate(), speed, None, 0.0)
+    return Candidate({"strategy": "zero2", "activations": name}, estimate)
+
+
+def test_without_a_price_the_fastest_candidate_ranks_first():
+    slow = _ranked_candidate("none", 100.0, None, ActivationPolicy())
+    fast = _ranked_candidate("checkpoint", 200.0, None, ActivationPolicy(checkpoint_every=1))
+    assert [c.choices["activations"] for c in rank_candidates([slow, fast])] == ["checkpoint", "none"]
+
+
+def test_at_equal_cost_fewer_activation_techniques_rank_first():
+    policies = {
+        "offload": ActivationPolicy(offload=True),
+        "int8": ActivationPolicy(compress_bits=8),
+        "checkpoint": ActivationPolicy(checkpoint_every=1),
+        "every_2nd": ActivationPolicy(checkpoint_every=2),
+        "none": ActivationPolicy(),
+    }
+    ranked = rank_candidates([_ranked_candidate(name, 1.0, 5.0, p) for name, p in policies.items()])
+    assert [c.choices["activations"] for c in ranked] == ["none", "every_2nd", "checkpoint", "int8", "offload"]
+
+
+def test_search_on_one_device_enumerates_no_ddp():
+    space = replace(SMALL_SPACE, strategies={"ddp": StrategyLayout("ddp", "ddp"), **SMALL_SPACE.strategies})
+    base = PlanInputs(MODEL, micro_batch=2, accumulate=2, seq_len=64, devices=1)
+    est = partial(estimate_plan, device_memory_bytes=None, peak_flops=1e12, price_per_device_hour=None)
+    ranked, n = search_plans(base, space, est)
+    # 4 sequences per step: micro-batches 1, 2 and 4, under ZeRO-2 only (DDP needs two devices to mean anything).
+    assert n == 3
+    assert {c.choices["strategy"] for c in ranked} == {"zero2"}
+    _, n_two = search_plans(replace(base, devices=2), space, est)
+    assert n_two == 6
