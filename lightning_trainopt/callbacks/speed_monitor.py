@@ -82,10 +82,12 @@ class SpeedMonitor(Callback):
     from a ``flops_per_batch_fn`` you give, or from ``torch.utils.flop_counter``: at the first batch one meta-device
     copy of the module's ``forward`` (+ backward) is counted at four sequence lengths and fitted to
     ``B * (c + a*T + b*T^2)`` (:func:`~lightning_trainopt.core.flops.fit_seq_flops`), so later lengths cost nothing.
-    If that fails (e.g. a forward that reads tensor values) FLOPs are unknown: MFU, HFU and TFLOP/s are left out with
-    one warning, tokens/s and samples/s are still reported. MFU counts model FLOPs (3x forward); HFU adds the
-    recomputed forward of checkpointed blocks: the share of blocks wrapped for our model, the recomputed FLOPs
-    measured by the flop counter (however the module checkpoints, also by itself) for any other, and the
+    The copy carries no hooks and full-shape parameters (:func:`~lightning_trainopt.core.flops.meta_copy`), so a
+    module that DeepSpeed ZeRO-3 or FSDP2 has sharded and hooked is counted without touching the engine. If counting
+    fails (e.g. a forward that reads tensor values) FLOPs are unknown: MFU, HFU and TFLOP/s are left out with one
+    warning, tokens/s and samples/s are still reported; it never stops the fit. MFU counts model FLOPs (3x forward);
+    HFU adds the recomputed forward of checkpointed blocks: the share of blocks wrapped for our model, the recomputed
+    FLOPs measured by the flop counter (however the module checkpoints, also by itself) for any other, and the
     ``ActivationCheckpointing`` callback's estimate with ``flops_per_batch_fn``. Windows close every
     ``log_every_n_steps`` optimizer steps, at ``max_steps`` and at the end of fit, so short runs are measured too.
     Validation inside a window (``val_check_interval``, epoch-end validation) pauses its clock, so the rates are
