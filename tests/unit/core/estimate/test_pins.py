@@ -406,3 +406,30 @@ def test_search_on_one_device_enumerates_no_ddp():
     assert {c.choices["strategy"] for c in ranked} == {"zero2"}
     _, n_two = search_plans(replace(base, devices=2), space, est)
     assert n_two == 6
+
+
+def test_fsdp_shards_round_up():
+    # World 4: ceil(1,001 / 4) + ceil(10 / 4) = 251 + 3 = 254 elements per rank, fp32 under bf16-mixed; AdamW keeps
+    # two moments per element and a step per tensor.
+    est = estimate_model_states([[1001, 10]], "bf16-mixed", StrategyLayout(kind="fsdp"), ADAMW, 4)
+    assert tuple(est.bytes(c) for c in ("params", "grads", "optimizer_states")) == (4 * 254, 4 * 254, 8 * 254 + 2 * 4)
+
+
+def test_zero1_keeps_full_gradients_from_an_accumulation_of_2():
+    layout = StrategyLayout(kind="deepspeed", zero_stage=1)
+    one = estimate_model_states([[1000]], "bf16-mixed", layout, ADAMW, 2, accumulate=1)
+    two = estimate_model_states([[1000]], "bf16-mixed", layout, ADAMW, 2, accumulate=2)
+    assert two.bytes("grads") - one.bytes("grads") == 2 * 1000  # bf16 .grad of every parameter
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: DeepSpeed 0.19 keeps a parameter gathered when ds_numel <= param_persistence_threshold "
+    "(runtime/zero/parameter_offload.py, mark_persistent_parameters); model_states.py and zero3_gather.py use <",
+)
+def test_zero3_a_parameter_of_exactly_the_persistence_threshold_stays_gathered():
+    # World 2, threshold 100: the 100-element param is persistent (kept whole, 2 x 100 bytes) beside its partition
+    # of 50; the 1,000-element one is only partitioned (500).
+    layout = StrategyLayout(kind="deepspeed", zero_stage=3, param_persistence_threshold=100)
+    est = estimate_model_states([[1000, 100]], "bf16-mixed", layout, ADAMW, 2)
+    assert est.bytes("params") == 2 * (500 + 50) + 2 * 100
