@@ -433,3 +433,12 @@ def test_zero3_a_parameter_of_exactly_the_persistence_threshold_stays_gathered()
     layout = StrategyLayout(kind="deepspeed", zero_stage=3, param_persistence_threshold=100)
     est = estimate_model_states([[1000, 100]], "bf16-mixed", layout, ADAMW, 2)
     assert est.bytes("params") == 2 * (500 + 50) + 2 * 100
+
+
+def test_zero3_offload_of_an_fp32_model_keeps_an_fp32_master_partition_on_the_cpu():
+    # World 2: 500 elements per rank; DeepSpeed's CPU Adam keeps the fp32 master copy (4 B) and two moments (8 B) on
+    # the host, with no step tensor.
+    layout = StrategyLayout(kind="deepspeed", zero_stage=3, offload_optimizer="cpu", offload_params="cpu")
+    est = estimate_model_states([[1000]], "32-true", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2)
+    assert est.bytes("optimizer_states", "cpu") == 4 * 500 + 8 * 500
+    assert est.bytes("optimizer_states") == 0
