@@ -60,7 +60,7 @@ def _command(max_steps: int = MAX_STEPS, stop: int = STOP, accumulate: int = 1) 
 NOT_RESUMABLE = "not resumable"
 
 
-def _train(args: list[str], run_dir: Path, **kwargs) -> subprocess.CompletedProcess:
+def _train(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"],
         cwd=REPO_ROOT,
@@ -68,7 +68,6 @@ def _train(args: list[str], run_dir: Path, **kwargs) -> subprocess.CompletedProc
         capture_output=True,
         text=True,
         timeout=600,
-        **kwargs,
     )
 
 
