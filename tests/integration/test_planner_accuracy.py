@@ -43,7 +43,7 @@ def test_activation_bytes_within_10_percent(precision, policy, b, t):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "precision"),
-    # fp32 (the default precision) too: ZeRO-3 clones an fp32 master partition even from fp32 weights (issue #13).
+    # fp32 (the default precision) too: ZeRO-3 clones an fp32 master partition even from fp32 weights.
     [("ddp", "bf16"), ("zero1", "bf16"), ("zero2", "bf16"), ("zero3", "bf16"), ("zero2", "fp32"), ("zero3", "fp32")],
 )
 def test_model_states_within_5_percent_on_2_cpu_processes(strategy, precision):

@@ -130,7 +130,7 @@ def _case(
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory):
-    """The issue's case: ZeRO-2 on 2 processes, micro-batch 2."""
+    """ZeRO-2 on 2 processes, micro-batch 2: a preempted data-parallel job."""
     return _case(tmp_path_factory.mktemp("zero2"), [*_command(), "+strategy=zero2"])
 
 
@@ -172,7 +172,7 @@ def _assert_continued(case: dict, max_steps: int, stop: int) -> dict:
 # the exact fp32 weights, optimizer and scheduler state, so with the same data order the rerun repeats the
 # uninterrupted run's arithmetic (measured for zero2: identical to the last digit). 1e-6 absolute leaves room for
 # rounding only; with the old loader, which read the epoch again from its start, this zero2 case ended at train loss
-# 3.2531 against 3.2652 (and the issue's 40-step run at 3.139 against 2.607).
+# 3.2531 against 3.2652 (a 40-step run of the old loader: 3.139 against 2.607).
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [pytest.param("zero2", marks=RunIf(deepspeed=True)), "fsdp"])
 def test_a_killed_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(case, request):

@@ -8,7 +8,7 @@ Read for the demo model as ``train.py`` builds it (lightning 2.6, deepspeed 0.19
 - DeepSpeed ZeRO-1/2: ``configure_model`` builds in the engine's dtype (bf16/fp16 for ``-mixed`` too, since the
   engine casts to it), so the whole model in that dtype on every rank. DeepSpeed then flattens each param group on the
   device only when ``available_memory()`` has room for a second copy, else through the CPU: it never adds a device
-  peak. (Built in fp32 it would hold 4 B/param: LLaMA-13B 48.5 GiB on a 40 GB card planned at 26.7 GiB, issue #13.)
+  peak. (Built in fp32 it would hold 4 B/param: LLaMA-13B 48.5 GiB on a 40 GB card planned at 26.7 GiB.)
 - DeepSpeed ZeRO-3: ``deepspeed.zero.Init`` partitions each parameter as its module is built; then
   ``strategies/deepspeed.py`` re-runs ``GPT.reset_parameters`` inside ``GatheredParameters`` over the whole model
   (``_rerun_custom_init``): every weight gathered on every device at once, beside the partitions.

@@ -17,7 +17,7 @@ from tests.helpers.compose import REPO_ROOT, compose_config
 # The strategy classes a node names (its `_target_` is imported to read the class's kind and defaults).
 OURS = "lightning_trainopt.strategies.TrainOptDeepSpeedStrategy"
 LIGHTNINGS = "lightning.pytorch.strategies.DeepSpeedStrategy"
-# The reviewer's file (issue #6): ZeRO-3, optimizer and parameters on the CPU, 32 sequences per optimizer step.
+# A user's file: ZeRO-3, optimizer and parameters on the CPU, 32 sequences per optimizer step.
 DS3 = {
     "train_batch_size": 32,
     "zero_optimization": {

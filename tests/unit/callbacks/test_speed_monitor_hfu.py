@@ -1,4 +1,4 @@
-"""SpeedMonitor's HFU at a given recompute fraction strictly between 0 and 1 (issue #13, test strength).
+"""SpeedMonitor's HFU at a given recompute fraction strictly between 0 and 1.
 
 Recomputing a fraction ``r`` of the forward adds ``r x forward = r / 3 x (forward + backward)`` FLOPs: HFU counts
 ``model FLOPs x (1 + r / 3)``. The other tests only gave ``r = 0``, where ``1 + r`` and ``1 + r / 3`` agree.

@@ -1,4 +1,4 @@
-"""Pins for core arithmetic at factors the other tests only ever set to 1 or 0 (issue #13, test strength).
+"""Pins for core arithmetic at factors the other tests only ever set to 1 or 0.
 
 Batch size, grouped-query heads and recompute fractions other than 0 and 1 in the FLOPs formula; world size and the
 hardware-FLOPs fallback in throughput; several devices with a token target in the cost projection; accumulation and

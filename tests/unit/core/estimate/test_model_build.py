@@ -41,7 +41,7 @@ def test_build_terms_are_compared_with_the_step_not_added_to_it():
 def test_zero2_offload_llama_13b_is_built_at_2_bytes_per_param_and_the_plan_says_so():
     e = _plan(ZERO2_OFFLOAD, 8, 40)
     n = LLAMA_13B.n_params()
-    # LitGPT builds in bf16 under DeepSpeed: 24.2 GiB, not the 48.5 GiB of an fp32 build (issue #13).
+    # LitGPT builds in bf16 under DeepSpeed: 24.2 GiB, not the 48.5 GiB of an fp32 build.
     assert e.memory.build_bytes() == 2 * n
     assert 24 * GIB < e.memory.build_bytes() < 25 * GIB
     assert e.peak_device_bytes >= e.memory.build_bytes()

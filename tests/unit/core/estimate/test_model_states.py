@@ -104,7 +104,7 @@ def test_zero3_partitions_each_param_and_keeps_small_ones_whole():
 
 def test_zero3_fp32_clones_an_fp32_master_partition_too():
     # stage3.py _create_fp32_partitions skips the clone only when `tensor.device == self.device`, a torch.device
-    # against a string: never equal, so fp32 models get the copy as well (issue #13: 12 B/param/world measured).
+    # against a string: never equal, so fp32 models get the copy as well (12 B/param/world measured).
     est = estimate_model_states([[1000]], "32-true", StrategyLayout(kind="deepspeed", zero_stage=3), ADAMW, 2)
     assert est.bytes("optimizer_states") == 4 * 500 + 8 * 500 + 4
     # The fp32 gradient partition is flattened into a new tensor inside step(), fp32 or not.
@@ -120,7 +120,7 @@ def test_zero3_fp32_gpt_125m_optimizer_states_match_the_measured_2_process_figur
     )
     layout = StrategyLayout(kind="deepspeed", zero_stage=3)
     est = estimate_model_states(gpt_param_groups(cfg), "32-true", layout, ADAMW, 2)
-    # Issue #13 measured 741,523,976 B on rank 0 of a 2-process run; the planner said 494,349,316 before.
+    # Measured: 741,523,976 B on rank 0 of a 2-process run; the planner said 494,349,316 before.
     assert est.bytes("optimizer_states") == 741_523_976
 
 

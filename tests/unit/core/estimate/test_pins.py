@@ -1,4 +1,4 @@
-"""Pins for planner arithmetic that earlier tests let through (issue #13, test strength).
+"""Pins for planner arithmetic that earlier tests let through.
 
 Each test kills a single realistic mutation that the other unit tests survived: the plan's step time without the
 accumulation, the fit verdicts' boundaries, the search dropping candidates whose fit is unknown, the peak without
