@@ -204,25 +204,35 @@ def test_monitors_under_sharded_strategies(tmp_path, strategy):
         assert sum(mb["params"].values()) == pytest.approx(4 * TINY.n_params() / 2, rel=0.01)
 
 
+def _unsharded(model: str) -> tuple[torch.nn.Module, dict]:
+    """The module the script trains as ``model`` (``foreign``, ``hf_llama``, ``hf_gpt2``) and one of its batches."""
+    if model == "foreign":
+        from tests.unit.callbacks._foreign import DictClassifier, padded_batches
+
+        return DictClassifier(), padded_batches(1)[0]
+    from tests.helpers.hf import hf_batches, hf_module
+
+    return hf_module(model.removeprefix("hf_"), use_cache=False), hf_batches(1)[0]  # as ActivationCheckpointing sets
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "model"),
-    [pytest.param("zero3", "hf_llama", marks=RunIf(deepspeed=True)), ("fsdp", "hf_gpt2")],
+    [pytest.param("zero3", "hf_llama", marks=RunIf(deepspeed=True)), ("fsdp", "hf_gpt2"), ("fsdp", "foreign")],
 )
-def test_monitors_and_checkpointing_on_hf_models_under_sharded_strategies(tmp_path, strategy, model):
-    # A user's LightningModule around a transformers model (no configure_model), padded batches, the KV cache on by
-    # default. Under ZeRO-3 the FLOP count on a copy that carried DeepSpeed's hooks crashed both ranks ("IndexError:
-    # pop from an empty deque"); FSDP2 refused a module without configure_model.
-    pytest.importorskip("transformers")
+def test_monitors_and_checkpointing_on_user_modules_under_sharded_strategies(tmp_path, strategy, model):
+    # A user's LightningModule without configure_model: a transformers model (padded batches, the KV cache on by
+    # default) or a plain torch encoder. Under ZeRO-3 the FLOP count on a copy that carried DeepSpeed's hooks crashed
+    # both ranks ("IndexError: pop from an empty deque"); FSDP2 refused a module without configure_model.
+    if model.startswith("hf_"):
+        pytest.importorskip("transformers")
     from lightning_trainopt.core.flops import fit_seq_flops
     from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
-    from tests.helpers.hf import hf_batches, hf_module
 
     ranks = _run_ddp(tmp_path, [*MONITORS, "ActivationCheckpointing"], strategy, model)
     # What the same module counts unsharded, in this process, with the same blocks checkpointed.
-    module = hf_module(model.removeprefix("hf_"), use_cache=False)  # as ActivationCheckpointing sets it
+    module, batch = _unsharded(model)
     apply_activation_checkpointing(module, CheckpointPolicy())
-    batch = hf_batches(1)[0]
     whole = fit_seq_flops(module, batch, samples=4, seq_len=batch["input_ids"].shape[1]).to_dict()
     for r in ranks:
         s = r["summaries"]
@@ -231,7 +241,7 @@ def test_monitors_and_checkpointing_on_hf_models_under_sharded_strategies(tmp_pa
         assert tp["tflops_per_s"] > 0
         for key in ("per_sequence", "per_token", "per_token_squared", "recomputed"):
             assert tp["flops_fit"][key] == whole[key], key
-        assert 0.5 < tp["recompute_fraction"] < 1  # the decoder layers' replay, measured
+        assert 0.5 < tp["recompute_fraction"] < 1  # the blocks' replay, measured
         ckpt = s["ActivationCheckpointing"]["activation_checkpointing"]
         assert (ckpt["wrapped"], ckpt["candidates"]) == (2, 2)
         assert s["MemoryBreakdown"]["memory_breakdown"]["activations"] > 0
