@@ -1,16 +1,22 @@
 """Multi-process worker for tests/integration/test_memory_techniques_distributed.py (run as a script).
 
-Usage: python tests/integration/_memory_techniques_worker.py STRATEGY TECHNIQUE MICRO ACCUM OUT_JSON
+Usage: python tests/integration/_memory_techniques_worker.py OUT_JSON CASE [CASE ...]
+  CASE: STRATEGY:TECHNIQUE:MICRO:ACCUM[:clip=C][:max_micro=M], e.g. ``zero2:finder:4:1:max_micro=2``
   STRATEGY: ddp | zero1 | zero2 | zero3 | fsdp2 (2 CPU processes, gloo)
   TECHNIQUE: none | checkpoint | int8 | finder
-  env CLIP: gradient_clip_val (clip by norm) for the Trainer; unset: no clipping.
-Rank 0 writes: saved-for-backward bytes of the first micro-batch, losses, batch sizes seen, accumulation, the
-parameters after the run (fp32, gathered), so the test can compare runs, and the global norm of the update
-(parameters after minus before, all of them, gathered), which SGD makes ``lr x`` the (clipped) gradient norm.
+  clip=C: gradient_clip_val (clip by norm) for the Trainer; absent: no clipping.
+  max_micro=M: the MicroBatchFinder's max_micro_batch (TECHNIQUE finder).
+The cases are fitted one after another in one pair of processes (Lightning's launcher re-runs this script with the
+same arguments for rank 1 on the first fit), each from the same seed, so a case's figures are those of a launch of its
+own. Rank 0 writes one JSON object mapping each CASE to: saved-for-backward bytes of the first micro-batch, losses,
+batch sizes seen, accumulation, the parameters after the run (fp32, gathered), so the test can compare runs, and the
+global norm of the update (parameters after minus before, all of them, gathered), which SGD makes ``lr x`` the
+(clipped) gradient norm. A case that raises ends the launch; the cases before it are written.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -22,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from lightning_trainopt.app.multirun import teardown_distributed  # noqa: E402
 from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 from lightning_trainopt.callbacks.activation_compression import ActivationCompression  # noqa: E402
 from lightning_trainopt.callbacks.micro_batch_finder import MicroBatchFinder  # noqa: E402
@@ -110,29 +117,47 @@ def _strategy(name: str) -> Any:
     return TrainOptDeepSpeedStrategy(stage=int(name[-1]), preset=name)
 
 
-def main() -> None:
-    strategy, technique, micro, accum, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def _parse(case: str) -> dict[str, Any]:
+    strategy, technique, micro, accum, *options = case.split(":")
+    named = dict(option.split("=", 1) for option in options)
+    unknown = set(named) - {"clip", "max_micro"}
+    if unknown:
+        raise SystemExit(f"case {case!r}: unknown option(s) {sorted(unknown)}; use clip=C and max_micro=M")
+    return {
+        "strategy": strategy,
+        "technique": technique,
+        "micro": int(micro),
+        "accum": int(accum),
+        "clip": float(named["clip"]) if "clip" in named else None,
+        "max_micro": int(named["max_micro"]) if "max_micro" in named else None,
+    }
+
+
+def fit_case(case: str) -> tuple[dict[str, Any], bool]:
+    """Fit one case; its figures and whether this is rank 0."""
+    c = _parse(case)
+    strategy = c["strategy"]
     pl.seed_everything(7, workers=True)
     record, update = Record(), UpdateNorm(strategy)
     callbacks: list[pl.Callback] = [record, update]
-    if technique == "checkpoint":
+    if c["technique"] == "checkpoint":
         callbacks.append(ActivationCheckpointing(module_classes=["Block"]))
-    elif technique == "int8":
+    elif c["technique"] == "int8":
         callbacks.append(ActivationCompression(min_numel=256))
-    elif technique == "finder":
-        callbacks.append(MicroBatchFinder(budget_bytes=2**40, max_micro_batch=int(os.environ["FINDER_MAX_MICRO"])))
+    elif c["technique"] == "finder":
+        callbacks.append(MicroBatchFinder(budget_bytes=2**40, max_micro_batch=c["max_micro"]))
     cls = FSDP2LitGPT if strategy == "fsdp2" else LitGPT
     module = cls(CFG, optimizer=partial(torch.optim.SGD, lr=0.5))
     data = TextDataModule(
-        corpus="synthetic", seq_len=32, batch_size=micro, synthetic_tokens=16384, vocab_size=64, seed=7
+        corpus="synthetic", seq_len=32, batch_size=c["micro"], synthetic_tokens=16384, vocab_size=64, seed=7
     )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=_strategy(strategy),
         max_steps=1,
-        accumulate_grad_batches=accum,
-        gradient_clip_val=float(os.environ["CLIP"]) if os.environ.get("CLIP") else None,
+        accumulate_grad_batches=c["accum"],
+        gradient_clip_val=c["clip"],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -146,29 +171,46 @@ def main() -> None:
     for name, p in [] if strategy == "zero3" else module.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name] = full.detach().float().flatten()[:256].tolist()
-    if trainer.is_global_zero:
-        with open(out, "w") as f:
-            json.dump(
-                {
-                    "first_bytes": record.first_bytes,
-                    "losses": record.losses,
-                    "sizes": record.sizes,
-                    "accumulate": record.accumulate,
-                    "global_step": trainer.global_step,
-                    "engine_micro": getattr(
-                        getattr(trainer.strategy, "deepspeed_engine", None),
-                        "train_micro_batch_size_per_gpu",
-                        lambda: None,
-                    )(),
-                    "engine_accumulate": getattr(
-                        getattr(trainer.strategy, "deepspeed_engine", None), "gradient_accumulation_steps", lambda: None
-                    )(),
-                    "params": params,
-                    "update_norm": update.norm,
-                },
-                f,
-            )
+    engine = getattr(trainer.strategy, "deepspeed_engine", None)
+    return {
+        "first_bytes": record.first_bytes,
+        "losses": record.losses,
+        "sizes": record.sizes,
+        "accumulate": record.accumulate,
+        "global_step": trainer.global_step,
+        "engine_micro": engine.train_micro_batch_size_per_gpu() if engine is not None else None,
+        "engine_accumulate": engine.gradient_accumulation_steps() if engine is not None else None,
+        "params": params,
+        "update_norm": update.norm,
+    }, trainer.is_global_zero
+
+
+def _next_process_group() -> None:
+    """Tear the process group down so the next case's fit initialises a fresh one, on a fresh port.
+
+    As in ``bench/strategies.py --single``: the launcher's environment stays, so the next fit joins the same ranks;
+    DeepSpeed's groups are released with its own call (``teardown_distributed``), and a store left on the old port
+    would hand the new group stale peer addresses, so rank 0 picks a free port and broadcasts it first.
+    """
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    port = [find_free_network_port() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(port, src=0)
+    os.environ["MASTER_PORT"] = str(port[0])
+    teardown_distributed()
+    gc.collect()
+
+
+def main(out: str, cases: list[str]) -> None:
+    results: dict[str, Any] = {}
+    for case in cases:
+        result, rank_zero = fit_case(case)
+        if rank_zero:
+            results[case] = result
+            with open(out, "w") as f:  # after every case, so a case that fails leaves the ones before it
+                json.dump(results, f)
+        _next_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2:])
