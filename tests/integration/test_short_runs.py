@@ -48,8 +48,10 @@ def test_one_step_of_the_default_job(tmp_path):
 
 
 @RunIf(deepspeed=True)
-def test_the_headline_command_as_a_smoke_run(tmp_path):
-    proc, metrics = _cli(tmp_path, "+strategy=zero3", "precision=bf16", "trainer.max_steps=3")
+def test_the_headline_command_as_a_smoke_run(headline_zero3_run):
+    # `+strategy=zero3 precision=bf16 trainer.max_steps=3`, one run shared with test_train_app.py (see conftest.py).
+    proc, metrics = headline_zero3_run
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     _assert_every_figure(metrics, 3)
     assert metrics["zero_stage"] == 3
     assert "warmup_cosine: 0 warmup steps of 3 optimizer steps" in proc.stderr + proc.stdout
