@@ -27,6 +27,7 @@ from lightning_trainopt.core.estimate import (
     estimate_model_states,
     estimate_plan,
     estimate_speed,
+    estimate_transformer_activations,
     gpt_param_groups,
     rank_candidates,
     search_plans,
@@ -442,3 +443,60 @@ def test_zero3_offload_of_an_fp32_model_keeps_an_fp32_master_partition_on_the_cp
     est = estimate_model_states([[1000]], "32-true", layout, OPTIMIZER_STATES["deepspeed_cpu_adam"], 2)
     assert est.bytes("optimizer_states", "cpu") == 4 * 500 + 8 * 500
     assert est.bytes("optimizer_states") == 0
+
+
+# ---------------------------------------------------------------- activations: every k-th block, int8, the logits
+
+
+def test_every_2nd_block_of_3_checkpoints_blocks_0_and_2():
+    # Three blocks, 2 sequences of 4 tokens, fp32: blocks 0 and 2 keep only their input (8 tokens x 4 B x d 8 = 256
+    # each), block 1 keeps everything.
+    cfg = replace(ONE_BLOCK, n_layers=3)
+    est = estimate_transformer_activations(cfg, 2, 4, 4, False, ActivationPolicy(checkpoint_every=2))
+    by_label = {t.label: t.nbytes for t in est.terms}
+    assert by_label["2 checkpointed block inputs"] == 2 * 256
+    assert "1 full blocks" in by_label
+
+
+@pytest.mark.parametrize(("compute_bytes", "expected"), [(2, (2 + 4) * 8 * 100), (4, (4 + 4) * 8 * 100)])
+def test_backward_holds_the_logits_and_their_fp32_gradient(compute_bytes, expected):
+    # 8 tokens x 100 logits: the logits in the compute dtype and their fp32 gradient.
+    est = estimate_transformer_activations(ONE_BLOCK, 2, 4, compute_bytes, False)
+    assert {t.label: t.nbytes for t in est.terms}["logits + their gradient"] == expected
+
+
+@pytest.mark.parametrize(("numel", "expected"), [(1023, 4 * 1023), (1024, 1024 + 4 * 16), (1025, 17 * 64 + 4 * 17)])
+def test_int8_compression_bytes_match_the_quantizer(numel, expected):
+    # Below min_numel (1,024) an fp32 tensor is stored as it is; from it on, int8 codes padded to whole blocks of 64
+    # plus an fp32 scale per block: 1,025 elements take 17 blocks.
+    import torch
+
+    from lightning_trainopt.core.estimate.activations import _compressed
+    from lightning_trainopt.techniques.compression import quantize_blockwise
+
+    policy = ActivationPolicy(compress_bits=8)
+    assert _compressed(4, numel, policy) == expected
+    if numel >= policy.compress_min_numel:
+        q = quantize_blockwise(torch.randn(numel), policy.compress_block)
+        assert q.codes.numel() * q.codes.element_size() + q.scales.numel() * q.scales.element_size() == expected
+
+
+# ---------------------------------------------------------------- optimizer states at the quantisation threshold
+
+
+def test_a_tensor_of_exactly_4096_elements_gets_8bit_states():
+    # bitsandbytes keeps fp32 states only below min_8bit_size=4096: at 4,096, two 8-bit moments (4,096 B each) with
+    # an fp32 absmax per 256 elements (16 x 4 B each).
+    bnb = OPTIMIZER_STATES["adamw8bit"]
+    assert bnb.bytes_for([4096], 4) == 2 * (4096 + 4 * 16)
+    assert bnb.bytes_for([4095], 4) == 2 * 4 * 4095
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: torchao quantizes a state only when numel >= 4096 and numel % block_size == 0 (torchao/optim/"
+    "adam.py, _new_buffer); optimizer_state.py quantizes any tensor from 4096 elements on",
+)
+def test_torchao_keeps_full_precision_states_for_a_tensor_not_a_multiple_of_its_block():
+    # 5,000 fp32 elements are not a multiple of 256: torchao keeps zeros_like(param) moments, 2 x 4 B each, + step.
+    assert OPTIMIZER_STATES["adamw8bit_torchao"].bytes_for([5000], 4) == 4 + 2 * 4 * 5000
