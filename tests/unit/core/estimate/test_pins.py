@@ -490,6 +490,8 @@ def test_a_tensor_of_exactly_4096_elements_gets_8bit_states():
     bnb = OPTIMIZER_STATES["adamw8bit"]
     assert bnb.bytes_for([4096], 4) == 2 * (4096 + 4 * 16)
     assert bnb.bytes_for([4095], 4) == 2 * 4 * 4095
+    # 5,000 elements fill 20 blocks of 256, the last one partly (bitsandbytes allocates absmax of 20 per moment).
+    assert bnb.bytes_for([5000], 4) == 2 * (5000 + 4 * 20)
 
 
 @pytest.mark.xfail(
