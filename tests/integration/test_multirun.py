@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.helpers.compose import REPO_ROOT
 from tests.helpers.env import child_env
@@ -59,6 +60,14 @@ def test_ddp_x_deepspeed_sweep_runs_each_job_once(tmp_path):
     assert seen == {("ddp", "fp32"), ("ddp", "bf16"), ("zero2", "fp32"), ("zero2", "bf16")}
     zero_stages = {json.loads((j / "metrics.json").read_text())["zero_stage"] for j in jobs}
     assert zero_stages == {None, 2}
+    # The DeepSpeed jobs report the preset's configured rate, not the first step's (half of it after warmup's first of
+    # 2 steps) nor where the cosine ended.
+    peak = OmegaConf.load(REPO_ROOT / "conf" / "optimizer" / "adamw.yaml").lr
+    for job in jobs:
+        metrics = json.loads((job / "metrics.json").read_text())
+        if metrics["zero_stage"] == 2:
+            assert metrics["optimizer"]["lr"] == pytest.approx(peak)
+            assert metrics["optimizer"]["lr_now"] < peak
 
     rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
     assert len(rows) == 4
