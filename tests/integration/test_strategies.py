@@ -37,7 +37,8 @@ def resume_runs(tmp_path_factory):
     Each launch fits the presets in turn in one process group (one process start-up instead of one per preset);
     every fit re-seeds, so each preset's losses are those of a launch of its own. The uninterrupted launch also
     validates at steps 3 and 6 and once more after ``fit`` (validation draws no random numbers and changes no
-    weight, so its training losses are those of a run without it).
+    weight, so its training losses are those of a run without it). The uninterrupted launch's reports (memory
+    breakdown at step 1) and its ZeRO-3 checkpoint serve the sharding and conversion tests too.
     """
     tmp_path = tmp_path_factory.mktemp("resume")
     common = ["--single", *RESUME_PRESETS, "--devices", 2, "--precision", "32-true", "--epoch-batches", 3]
@@ -110,11 +111,13 @@ ON_CPU = {
 
 @pytest.mark.slow
 @RunIf(deepspeed=True)
-def test_each_stage_shards_what_it_should_from_one_to_two_processes(tmp_path):
+def test_each_stage_shards_what_it_should_from_one_to_two_processes(tmp_path, resume_runs):
     """1 -> 2 processes, same model, fp32: DDP halves nothing, ZeRO-1/2 the optimizer states and gradients, ZeRO-3
     also the parameters; offload moves optimizer states (and with ZeRO-3 parameters) from device to CPU.
 
-    Two launches of ``bench/strategies.py`` (1 and 2 processes), each fitting the six presets in turn. Measured
+    The 2-process figures are those of the uninterrupted launch of ``resume_runs`` (its memory breakdown is taken at
+    optimizer step 1, before its first checkpoint or validation at step 3); one more launch of ``bench/strategies.py``
+    fits the six presets in turn on 1 process. Measured
     (bench model, 3,229,952 parameters; rank 0 at optimizer step 1; bytes):
 
     ======================  ==========================  ==========================  ==========================
@@ -142,9 +145,11 @@ def test_each_stage_shards_what_it_should_from_one_to_two_processes(tmp_path):
       copies its own partition into ``grads_in_partition`` and frees the rest of ``param.grad`` when backward ends;
       until then it holds full gradients (its peak is not halved; ZeRO-2 frees them bucket by bucket).
     """
-    common = ["--single", *SHARDING_PRESETS, "--precision", "32-true", "--max-steps", 2]
-    one = _run(tmp_path, "one", *common, "--devices", 1)
-    two = _run(tmp_path, "two", *common, "--devices", 2)
+    one = _run(
+        tmp_path, "one", "--single", *SHARDING_PRESETS, "--precision", "32-true", "--max-steps", 2, "--devices", 1
+    )
+    two = resume_runs[1]
+    assert all(two[preset]["devices"] == 2 and two[preset]["precision"] == "32-true" for preset in SHARDING_PRESETS)
 
     import torch
 
@@ -193,17 +198,21 @@ def test_each_stage_shards_what_it_should_from_one_to_two_processes(tmp_path):
 
 @pytest.mark.slow
 @RunIf(deepspeed=True)
-def test_zero3_checkpoint_converts_to_a_plain_gpt_state_dict(tmp_path):
+def test_zero3_checkpoint_converts_to_a_plain_gpt_state_dict(tmp_path, resume_runs):
+    """The step-3 checkpoint of the ZeRO-3 fit of ``resume_runs`` (2 processes, sharded) converts to one state dict.
+
+    The fit is fp32; DeepSpeed's checkpoint keeps fp32 master partitions under bf16 too, and those are what is read.
+    """
     import torch
 
     from lightning_trainopt.app.convert import convert_zero_to_fp32
     from lightning_trainopt.models import GPT, GPTConfig
 
-    report = _run(
-        tmp_path, "z3", "--single", "zero3", "--devices", 2, "--max-steps", 2, "--save-to", tmp_path / "z3.ckpt"
-    )
+    ckpt_root, full, _ = resume_runs
+    report = full["zero3"]
     assert report["zero_stage"] == 3
-    state = convert_zero_to_fp32(tmp_path / "z3.ckpt", tmp_path / "gpt.pt")
+    assert report["devices"] == 2
+    state = convert_zero_to_fp32(ckpt_root / "zero3" / "step3.ckpt", tmp_path / "gpt.pt")
     model = GPT(
         GPTConfig(name="bench", vocab_size=256, n_layers=4, d_model=256, n_heads=4, ffn_hidden=688, max_seq_len=64)
     )
