@@ -298,8 +298,10 @@ class MicroBatchFinder(Callback):
                 state += _tensor_bytes(own)
             elif stage >= 1:
                 state //= world
-            # ZeRO shards gradients from stage 2 across the data-parallel ranks.
-            grad_bytes = grad_bytes // world if stage >= 2 else grad_bytes
+            # ZeRO shards gradients from stage 2 across the data-parallel ranks. Under ZeRO-3 the bytes were read from
+            # the parameters' own partitions (``ds_tensor``), already one rank's share: divide only what is whole.
+            partitioned = any(hasattr(p, "ds_tensor") for p in params)
+            grad_bytes = grad_bytes // world if stage >= 2 and not partitioned else grad_bytes
         return param_bytes + grad_bytes + state
 
     def _trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, micro: int) -> bool:

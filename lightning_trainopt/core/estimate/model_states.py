@@ -12,7 +12,7 @@ Sources read for every rule (deepspeed 0.19, lightning 2.6, torch 2.13):
   ``grads_in_partition`` (every parameter touching the rank's 1/world slice, whole) as they are produced — ZeRO-1
   only at the accumulation boundary, keeping full half ``param.grad`` in between.
 - DeepSpeed ZeRO-3 (``stage3.py``): every parameter partitioned on its own (``ceil(numel / world)``); parameters
-  under ``param_persistence_threshold`` elements also stay gathered on every rank; gradient partitions in
+  of at most ``param_persistence_threshold`` elements also stay gathered on every rank; gradient partitions in
   ``gradient_accumulation_dtype`` (the model dtype); an fp32 master copy per sub-group, fp32 models included (its
   skip compares a ``torch.device`` with a string); in ``step()`` each sub-group's gradients flattened into fp32.
 - FSDP2 (``fully_shard``): parameters, gradients and optimizer states sharded by world size in the parameters' dtype;
@@ -284,7 +284,7 @@ def _deepspeed(
         return MemoryEstimate.of(t for t in terms if t is not None)
     shards = [math.ceil(k / w) for k in numels]
     part = sum(shards)
-    persistent = sum(k for k in numels if k < layout.param_persistence_threshold)
+    persistent = sum(k for k in numels if k <= layout.param_persistence_threshold)
     subs = zero3_sub_groups(param_groups, w, layout.sub_group_size)
     if layout.offload_params == "nvme":
         terms.extend(nvme_param_terms(subs, w, h, layout))
@@ -297,7 +297,7 @@ def _deepspeed(
             "device",
             "persistent small params (gathered)",
             h * persistent,
-            f"{h} B x {_gb(persistent)} (< {layout.param_persistence_threshold:,} elements each)",
+            f"{h} B x {_gb(persistent)} (<= {layout.param_persistence_threshold:,} elements each)",
         )
     )
     # grad_partitions_flat_buffer lives on the optimizer's device: the CPU under any optimizer offload, NVMe included.
@@ -358,7 +358,7 @@ def _deepspeed(
             phase="backward",
         )
     )
-    largest = max((k for k in numels if k >= layout.param_persistence_threshold), default=0)
+    largest = max((k for k in numels if k > layout.param_persistence_threshold), default=0)
     terms.append(
         Term(
             "other",

@@ -25,6 +25,8 @@ class OptimizerStateModel:
         small_state_bytes: bytes per element of those small tensors' states (``None``: the parameter's dtype).
         block_size: elements per quantisation block; each block stores one fp32 scale per state.
         step_bytes: bytes of the per-tensor ``step`` counter (torch keeps a float32 scalar tensor).
+        whole_blocks_only: quantise only tensors whose size is a multiple of ``block_size`` (torchao's
+            ``_new_buffer``); others keep full-precision states.
     """
 
     name: str
@@ -35,6 +37,7 @@ class OptimizerStateModel:
     small_state_bytes: int | None = None
     block_size: int = 0
     step_bytes: int = 4
+    whole_blocks_only: bool = False
 
     def formula(self, dtype_bytes: int) -> str:
         """Bytes per element in words, for derivations."""
@@ -51,7 +54,7 @@ class OptimizerStateModel:
             total += self.step_bytes
             if self.bits == 32:
                 total += self.n_states * n * (self.state_dtype_bytes or dtype_bytes)
-            elif n < self.min_quant_numel:
+            elif n < self.min_quant_numel or (self.whole_blocks_only and n % self.block_size):
                 total += self.n_states * n * (self.small_state_bytes or dtype_bytes)
             else:
                 codes = math.ceil(n * self.bits / 8)
@@ -63,7 +66,8 @@ class OptimizerStateModel:
 # Read from each implementation: torch/optim/adamw.py (zeros_like(p) moments + float32 `step` tensor);
 # bitsandbytes/optim/optimizer.py Optimizer8bit.init_state (uint8 codes, fp32 absmax per 256 block, fp32 states
 # below min_8bit_size=4096, `step` an int); torchao/optim/subclass_8bit.py / subclass_4bit.py (block 256 / 128,
-# fp32 scales, params below 4096 elements keep states in their own dtype); deepspeed/ops/adam/cpu_adam.py (fp32).
+# fp32 scales; params below 4096 elements or not a multiple of the block keep states in their own dtype, adam.py
+# _new_buffer); deepspeed/ops/adam/cpu_adam.py (fp32).
 OPTIMIZER_STATES: dict[str, OptimizerStateModel] = {
     "adamw": OptimizerStateModel("adamw"),
     "adam": OptimizerStateModel("adam"),
@@ -76,8 +80,12 @@ OPTIMIZER_STATES: dict[str, OptimizerStateModel] = {
     "lion8bit": OptimizerStateModel(
         "bnb Lion8bit", n_states=1, bits=8, min_quant_numel=4096, small_state_bytes=4, block_size=256, step_bytes=0
     ),
-    "adamw8bit_torchao": OptimizerStateModel("torchao AdamW8bit", bits=8, min_quant_numel=4096, block_size=256),
-    "adamw4bit_torchao": OptimizerStateModel("torchao AdamW4bit", bits=4, min_quant_numel=4096, block_size=128),
+    "adamw8bit_torchao": OptimizerStateModel(
+        "torchao AdamW8bit", bits=8, min_quant_numel=4096, block_size=256, whole_blocks_only=True
+    ),
+    "adamw4bit_torchao": OptimizerStateModel(
+        "torchao AdamW4bit", bits=4, min_quant_numel=4096, block_size=128, whole_blocks_only=True
+    ),
 }
 
 

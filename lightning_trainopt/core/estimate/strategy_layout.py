@@ -39,7 +39,7 @@ class StrategyLayout:
         offload_optimizer: ``none``, ``cpu`` or ``nvme`` (optimizer states, master weights, fp32 gradients).
         offload_params: ``none``, ``cpu`` or ``nvme`` (ZeRO-3 and FSDP only).
         reduce_bucket_size: DeepSpeed gradient-reduction bucket, in elements (Lightning's default 2e8).
-        param_persistence_threshold: ZeRO-3 keeps parameters smaller than this gathered on every rank (1e5).
+        param_persistence_threshold: ZeRO-3 keeps parameters of at most this many elements gathered on every rank (1e5).
         overlap_comm: DeepSpeed double-buffers its reduce bucket (Lightning's default ``True``).
         contiguous_gradients: DeepSpeed copies gradients into reduce buckets (Lightning's default ``True``).
         prefetch_bucket_size: ZeRO-3 ``stage3_prefetch_bucket_size`` (DeepSpeed default 5e7 elements).

@@ -9,7 +9,8 @@ backward in reverse) that the coordinator records on the first step:
 - ``release_sub_module`` -> ``__params_to_release`` keeps a parameter gathered when it is used again within the next
   ``max_reuse_distance`` elements of the trace: with DeepSpeed's default of 1e9 (Lightning passes none), the last
   blocks stay gathered from their forward through their backward;
-- parameters under ``param_persistence_threshold`` elements are always gathered (``ds_persist``) and counted apart.
+- parameters of at most ``param_persistence_threshold`` elements (DeepSpeed: ``ds_numel <= threshold``) are always
+  gathered (``ds_persist``) and counted apart.
 
 The result is the peak of the gathered working set, in elements.
 """
@@ -55,14 +56,15 @@ def zero3_gathered_peak_numel(
 
     Args:
         trace: the forward order of module executions (see :func:`gpt_module_trace`); backward replays it reversed.
-        persistence_threshold: ``stage3_param_persistence_threshold``; smaller parameters are not counted here.
+        persistence_threshold: ``stage3_param_persistence_threshold``; parameters of at most this many elements are
+            not counted here.
         prefetch_bucket_size: ``stage3_prefetch_bucket_size`` (DeepSpeed default 5e7 elements).
         max_live_parameters: ``stage3_max_live_parameters`` (default 1e9).
         max_reuse_distance: ``stage3_max_reuse_distance`` (default 1e9).
     """
     order: Sequence[tuple[tuple[int, int], ...]] = trace + tuple(reversed(trace))
     size = {pid: n for mod in order for pid, n in mod}
-    persistent = {pid for pid, n in size.items() if n < persistence_threshold}
+    persistent = {pid for pid, n in size.items() if n <= persistence_threshold}
     available: set[int] = set()
     peak = 0
     for step, mod in enumerate(order):

@@ -422,11 +422,6 @@ def test_deepspeed_zero1_master_partitions_keep_whole_gradients():
     assert got == 4 * 4096 + 4 * 4096 + (8 * 2048 + 4 + 4 * 2048)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: under ZeRO-3 the gradient bytes are read from the ds_tensor partitions (already 1/world) and then "
-    "divided by the world size again (micro_batch_finder.py, _model_state_bytes)",
-)
 def test_zero3_gradient_partitions_are_divided_once():
     # World 2, ZeRO-3: the rank holds half of the 4,096-element fp32 weight (ds_tensor, 8,192 bytes) and a gradient
     # partition of the same size; the wrapped optimizer steps its 2,048-element fp32 master partition (two moments

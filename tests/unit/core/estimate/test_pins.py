@@ -423,11 +423,6 @@ def test_zero1_keeps_full_gradients_from_an_accumulation_of_2():
     assert two.bytes("grads") - one.bytes("grads") == 2 * 1000  # bf16 .grad of every parameter
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: DeepSpeed 0.19 keeps a parameter gathered when ds_numel <= param_persistence_threshold "
-    "(runtime/zero/parameter_offload.py, mark_persistent_parameters); model_states.py and zero3_gather.py use <",
-)
 def test_zero3_a_parameter_of_exactly_the_persistence_threshold_stays_gathered():
     # World 2, threshold 100: the 100-element param is persistent (kept whole, 2 x 100 bytes) beside its partition
     # of 50; the 1,000-element one is only partitioned (500).
@@ -494,11 +489,6 @@ def test_a_tensor_of_exactly_4096_elements_gets_8bit_states():
     assert bnb.bytes_for([5000], 4) == 2 * (5000 + 4 * 20)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: torchao quantizes a state only when numel >= 4096 and numel % block_size == 0 (torchao/optim/"
-    "adam.py, _new_buffer); optimizer_state.py quantizes any tensor from 4096 elements on",
-)
 def test_torchao_keeps_full_precision_states_for_a_tensor_not_a_multiple_of_its_block():
     # 5,000 fp32 elements are not a multiple of 256: torchao keeps zeros_like(param) moments, 2 x 4 B each, + step.
     assert OPTIMIZER_STATES["adamw8bit_torchao"].bytes_for([5000], 4) == 4 + 2 * 4 * 5000
