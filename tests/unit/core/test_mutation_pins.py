@@ -39,6 +39,7 @@ def test_transformer_flops_with_grouped_query_heads_a_batch_of_3_and_partial_rec
     assert f.block_recompute == 30_720 - 6144
     assert f.hardware_train(0.5) == 149_760 + 12_288
     assert f.hardware_train(0.25) == 149_760 + 6144
+    assert f.hardware_train(0.1) == 149_760 + 2458  # 2,457.6 FLOPs, to the nearest whole one
     assert f.hardware_train() == f.train
     # Linear in the batch: one sequence costs a third.
     one = transformer_flops(cfg, seq_len=4, batch_size=1)
