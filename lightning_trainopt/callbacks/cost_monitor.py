@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import (
@@ -99,7 +99,6 @@ class CostMonitor(Callback):
         self._hours_before = 0.0
         self._tokens_before: int | None = 0
         self._samples_before: int | None = 0
-        self._legacy: dict[str, Any] | None = None  # a checkpoint state without its world size (before 2026-11-30)
         # The current run: its wall time and the tokens and samples counted on this rank (never paused: validation
         # is billed too), its world size and first step.
         self._run = TrainingWindow(self._clock)
@@ -150,11 +149,8 @@ class CostMonitor(Callback):
         restored, self._restored = self._restored, False
         if not restored and trainer.global_step == 0:  # a new run: figures start afresh
             self._hours_before, self._tokens_before, self._samples_before = 0.0, 0, 0
-            self._legacy = None
             self._sizer.warned = False
         self._devices = trainer.world_size
-        if self._legacy is not None:
-            self._adopt_legacy(self._legacy)
         self._start_run(trainer.global_step)
         self._report = None
         self._edge.reset(trainer)
@@ -175,22 +171,6 @@ class CostMonitor(Callback):
             return
         self._hours_before, self._tokens_before, self._samples_before = self._totals()
         self._run.reset()
-
-    def _adopt_legacy(self, state: dict[str, Any]) -> None:
-        """Bill an older checkpoint's wall seconds and one-device counts at the current world size (one warning)."""
-        self._legacy = None
-        n = self._devices
-        rank_zero_warn(
-            f"CostMonitor: the checkpoint's cost state has no world size (saved before CostMonitor stored "
-            f"device-hours); its {state['elapsed_s']:.1f} s and per-device counts are billed at this run's world size "
-            f"({n}). If the checkpoint was saved on another number of devices, the figures before the resume are off "
-            f"by that ratio.",
-            category=UserWarning,
-        )
-        tokens, samples = state["tokens"], state["samples"]
-        self._hours_before = state["elapsed_s"] / 3600 * n
-        self._tokens_before = None if tokens is None else int(tokens) * n
-        self._samples_before = None if samples is None else int(samples) * n
 
     @override
     def on_train_batch_start(
@@ -298,33 +278,19 @@ class CostMonitor(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         """``{"device_hours", "tokens", "samples"}`` so far, all devices (each run at its own world size)."""
-        if self._legacy is not None:  # restored but not trained on yet: its world size is still unknown
-            return dict(self._legacy)
         hours, tokens, samples = self._totals()
         return {"device_hours": hours, "tokens": tokens, "samples": samples}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the figures of earlier runs. A state without ``device_hours`` (older CostMonitor: wall seconds and
-        one device's counts) is billed at the world size of the run that resumes it, with one warning."""
+        """Restores the figures of earlier runs (all devices, each run billed at its own world size)."""
         running = self._run.started
         # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
         # validate/test/predict restores start no fit, and a load while training is this fit's.
         self._restored = self._stage in (None, "fit") and not running
-        if "device_hours" in state_dict:
-            tokens, samples = state_dict["tokens"], state_dict["samples"]
-            self._hours_before = float(state_dict["device_hours"])
-            self._tokens_before = None if tokens is None else int(tokens)
-            self._samples_before = None if samples is None else int(samples)
-            self._legacy = None
-        else:
-            legacy = {
-                "elapsed_s": float(state_dict["elapsed_s"]),
-                "tokens": state_dict["tokens"],
-                "samples": state_dict.get("samples", 0),
-            }
-            self._legacy = legacy
-            if running:
-                self._adopt_legacy(legacy)
+        tokens, samples = state_dict["tokens"], state_dict["samples"]
+        self._hours_before = float(state_dict["device_hours"])
+        self._tokens_before = None if tokens is None else int(tokens)
+        self._samples_before = None if samples is None else int(samples)
         if running:  # loaded while training: time and counts from now on add to the restored figures
             self._start_run(self._steps_done)

@@ -278,5 +278,5 @@ class NonFiniteGuard(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = int(state_dict["skipped"])
         self.consecutive = int(state_dict["consecutive"])
-        self.overflow_steps = int(state_dict.get("overflow_steps", 0))
-        self.overflow_streak = int(state_dict.get("overflow_streak", 0))
+        self.overflow_steps = int(state_dict["overflow_steps"])
+        self.overflow_streak = int(state_dict["overflow_streak"])

@@ -217,8 +217,8 @@ class SpeedMonitor(Callback):
         restored, self._restored = self._restored, None
         if restored is not None:
             # Resumed: warm-up counts from the run's first step, and the window open at save time goes on.
-            self._start_step = int(restored.get("start_step", trainer.global_step))
-            window = restored.get("window")
+            self._start_step = int(restored["start_step"])
+            window = restored["window"]
             if window:
                 self._window.restore(WindowCounts.from_dict(window))
         self._warmup = default_warmup(self.warmup_steps, trainer.max_steps, self._start_step)
@@ -411,5 +411,5 @@ class SpeedMonitor(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._total = WindowCounts.from_dict(state_dict["totals"])
-        # Applied in on_train_start; a checkpoint from before the open window was saved has only "totals".
-        self._restored = {k: state_dict[k] for k in ("window", "start_step") if k in state_dict}
+        # Applied in on_train_start.
+        self._restored = {"window": state_dict["window"], "start_step": state_dict["start_step"]}

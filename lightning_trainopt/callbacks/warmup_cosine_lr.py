@@ -200,6 +200,6 @@ class WarmupCosineLR(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.base_lrs = state_dict["base_lrs"]
-        self._total = None if state_dict.get("total") is None else int(state_dict["total"])
-        self._step = int(state_dict.get("step", 0))
+        self._total = None if state_dict["total"] is None else int(state_dict["total"])
+        self._step = int(state_dict["step"])
         self._restored = True

@@ -194,17 +194,11 @@ def test_a_token_target_projects_at_the_resumed_runs_rate():
     assert r.projected_total_dollars == pytest.approx(r.dollars + r.projected_seconds_left / 3600 * 4 * 10.0)
 
 
-def test_an_older_checkpoint_state_is_billed_at_the_resumed_world_size_with_a_warning():
-    clock = Clock()
-    monitor = CostMonitor(price_per_device_hour=10.0, clock=clock)
-    monitor.setup(SimpleNamespace(), None, "fit")
-    old = {"elapsed_s": 3600.0, "tokens": 1000, "samples": 10}  # wall seconds and one rank's counts
-    monitor.load_state_dict(old)
-    assert monitor.state_dict() == old  # not trained on yet: its world size is still unknown
-    with pytest.warns(UserWarning, match=r"no world size .* billed at this run's world size \(2\)"):
-        monitor.on_train_start(_stand_in(world_size=2, global_step=10), None)
-    assert monitor.state_dict() == {"device_hours": 2.0, "tokens": 2000, "samples": 20}
-    assert monitor.report(_stand_in(world_size=2, global_step=10)).dollars == 20.0
+def test_a_state_without_device_hours_is_refused():
+    # Pre-release checkpoints stored wall seconds and one rank's counts; they are not converted.
+    monitor = CostMonitor(price_per_device_hour=10.0)
+    with pytest.raises(KeyError, match="device_hours"):
+        monitor.load_state_dict({"elapsed_s": 3600.0, "tokens": 1000, "samples": 10})
 
 
 def test_a_second_fit_with_the_same_callback_starts_afresh():
