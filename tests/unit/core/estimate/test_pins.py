@@ -492,3 +492,11 @@ def test_a_tensor_of_exactly_4096_elements_gets_8bit_states():
 def test_torchao_keeps_full_precision_states_for_a_tensor_not_a_multiple_of_its_block():
     # 5,000 fp32 elements are not a multiple of 256: torchao keeps zeros_like(param) moments, 2 x 4 B each, + step.
     assert OPTIMIZER_STATES["adamw8bit_torchao"].bytes_for([5000], 4) == 4 + 2 * 4 * 5000
+
+
+def test_a_measured_speed_gives_the_step_time_of_one_device():
+    # 1,000 tokens per step on each device at a measured 500 tokens/s per device: 2 s a step, on 4 devices as on 1;
+    # 1e9 tokens take 1e9 / (4 x 500) s.
+    s = estimate_speed(1e9, 1000, 4, None, 0.4, None, 1e9, measured_tokens_per_sec_per_device=500.0)
+    assert s.step_time_s == pytest.approx(2.0)
+    assert s.hours_to_target == pytest.approx(1e9 / 2000 / 3600)
