@@ -295,6 +295,8 @@ def test_zero3_sub_groups_are_cut_by_partition_size_at_world_size_4():
 
     assert zero3_sub_groups([[400, 400, 400], [8]], 4, 150) == [[[400, 400], [400]], [[8]]]
     assert zero3_sub_groups([[400, 400, 400], [8]], 4, 300) == [[[400, 400, 400]], [[8]]]
+    # A sub-group closes as soon as its partitions reach the size (stage3.py, _create_fp16_sub_groups: >=).
+    assert zero3_sub_groups([[400, 400, 400]], 4, 200) == [[[400, 400], [400]]]
     assert zero3_sub_groups([[400, 400, 400]], 1, 150) == [[[400], [400], [400]]]
 
 
