@@ -7,6 +7,14 @@ import os
 import pytest
 import torch
 
+# Every model in the tests is tiny and many tests run 2 training processes on the 2-core machine, where a second
+# OpenMP thread per process oversubscribes the cores. Measured 2026-12-02 (gpt_tiny, 2 x 32 tokens, fwd+bwd+AdamW):
+# alone, 13 ms/step with 1 thread and 11 ms with 2; two processes side by side, 13 ms each with 1 thread and 32 ms
+# each with 2. Set before any test builds a model, and inherited by every train.py, plan.py and worker subprocess;
+# an OMP_NUM_THREADS already in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests whose ``RunIf`` needs a CUDA device get the ``cuda`` marker (``pytest -m cuda`` on a GPU machine)."""
