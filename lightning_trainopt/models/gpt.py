@@ -115,15 +115,28 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)."""
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            scale = (
-                1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
-            )
-            nn.init.normal_(p, mean=0.0, std=std * scale)
+        """GPT-2 style init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers).
+
+        Module by module through :meth:`_init_weights`, each shared parameter once, in ``named_parameters`` order.
+        """
+        seen: set[int] = set()
+        for module in self.modules():
+            if any(id(p) not in seen for p in module.parameters(recurse=False)):
+                self._init_weights(module)
+            seen.update(id(p) for p in module.parameters(recurse=False))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise the matrices ``module`` holds itself (not its children's); 1-D parameters keep their values.
+
+        The per-module form of :meth:`reset_parameters` (Hugging Face's ``PreTrainedModel._init_weights`` protocol):
+        under ZeRO-3 the strategy gathers one module's parameters at a time and calls this, so re-initialising the
+        partitioned model never gathers all of it.
+        """
+        residual = any(m is module and name.endswith(("o_proj", "down_proj")) for name, m in self.named_modules())
+        scale = 1 / math.sqrt(2 * self.config.n_layers) if residual else 1
+        for p in module.parameters(recurse=False):
+            if len(getattr(p, "ds_shape", p.shape)) >= 2:
+                nn.init.normal_(p, mean=0.0, std=0.02 * scale)
 
     def rope(self, seq_len: int, device: torch.device) -> torch.Tensor:
         # Built per call (cheap) rather than a buffer, so meta-device and sharded copies need no buffer handling.

@@ -1,0 +1,108 @@
+"""LightningModule around a Hugging Face causal LM built from local files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
+from lightning_trainopt.models.lit_lm import LitLanguageModel
+from lightning_trainopt.models.optimization import OptimizerFactory
+
+__all__ = ["LitCausalLM"]
+
+IGNORE_INDEX = -100  # Hugging Face's (and torch's cross_entropy's) label of a position without a target
+
+
+class LitCausalLM(LitLanguageModel):
+    """Next-token language modelling with any Hugging Face causal LM (``AutoModelForCausalLM``).
+
+    The Hugging Face model is built in ``configure_model``, inside the strategy's init context (DeepSpeed ZeRO-3
+    creates it partitioned), and kept as ``self.model`` (compiled in place, so it stays the ``PreTrainedModel``). Its
+    KV cache is off: training never reuses it, and a recomputed forward under activation checkpointing would append
+    to it again. Batches are our data's ``(x, y)`` pairs (``y`` the next tokens of ``x``) or dicts
+    ``{input_ids, attention_mask, labels}`` (``labels`` -100 on padding; without ``labels`` the inputs, masked).
+
+    Args:
+        model: where the model comes from (an :class:`HFModelConfig` or its fields as a dict).
+        optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
+        scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
+        compile_model: ``torch.compile`` the Hugging Face model (in place).
+
+    Example::
+
+        module = LitCausalLM(HFModelConfig(config="tiny_llama/config.json", overrides={"num_hidden_layers": 2}))
+    """
+
+    def __init__(
+        self,
+        model: HFModelConfig | dict[str, Any],
+        optimizer: OptimizerFactory | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        compile_model: bool = False,
+    ) -> None:
+        super().__init__(optimizer, scheduler, compile_model)
+        self.spec = model if isinstance(model, HFModelConfig) else HFModelConfig(**model)
+        self.hf_config = self.spec.load()
+        self.hf_config.use_cache = False
+        self.save_hyperparameters({"model": asdict(self.spec), "compile_model": compile_model})
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face ``model_type`` (``llama``, ``gpt2``, ...)."""
+        return str(self.hf_config.model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds."""
+        return int(self.hf_config.vocab_size)
+
+    @override
+    def configure_model(self) -> None:
+        """Build the model (or load the local weights), in the dtype its strategy keeps (:meth:`build_dtype`)."""
+        if self.model is not None:
+            return
+        transformers = import_transformers()
+        auto = transformers.AutoModelForCausalLM
+        attn = self.spec.attn_implementation
+        weights = self.spec.weights_dir()
+        with self.build_dtype():
+            if weights is None:
+                model = auto.from_config(self.hf_config, attn_implementation=attn)
+            else:
+                model = auto.from_pretrained(
+                    str(weights), config=self.hf_config, attn_implementation=attn, local_files_only=True
+                )
+        model.config.use_cache = False
+        if self.compile_model:
+            model.compile()
+        self.model = model
+
+    @override
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> Any:
+        assert self.model is not None
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
+
+    @override
+    def batch_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | int]:
+        if not isinstance(batch, dict):
+            x, y = batch
+            logits = self(x).logits
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1)), y.numel()
+        input_ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        labels = batch.get("labels")
+        if labels is None:
+            labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        out = self(input_ids, attention_mask=mask, labels=labels)
+        # The model shifts the labels by one: the first position of each row predicts nothing.
+        return out.loss, (labels[:, 1:] != IGNORE_INDEX).sum()
