@@ -79,18 +79,72 @@ def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
     return cpu_adam
 
 
+def _modules_in_init_order(owner: torch.nn.Module) -> list[torch.nn.Module]:
+    """``owner``'s modules in the order its own init visits them.
+
+    A Hugging Face model initialises children before parents (``PreTrainedModel.smart_apply``, like
+    ``nn.Module.apply``); a module of ours in ``named_modules`` order (``GPT.reset_parameters``). Visiting them in that
+    order draws the same random numbers as a build without ZeRO-3 from the same seed.
+    """
+    if not callable(getattr(owner, "_initialize_weights", None)):
+        return list(owner.modules())
+
+    def post_order(module: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for child in module.children() for m in post_order(child)] + [module]
+
+    return post_order(owner)
+
+
+def _is_container(module: torch.nn.Module) -> bool:
+    """``module`` holds a ``ModuleList``/``ModuleDict`` (the model, its backbone, the list of blocks): above a block."""
+    return any(isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) for m in module.modules())
+
+
+def _init_module_by_module(owner: torch.nn.Module, init_weights: Any) -> None:
+    """Call ``init_weights(sub)`` for each module of ``owner`` in its init order, with what it may write gathered.
+
+    A module below the block level (a block, a layer, a norm, the embedding) is gathered with all its sub-modules'
+    parameters: an init may write a child's weights (GPT-2's ``_init_weights(GPT2Attention)`` rescales
+    ``c_proj.weight``). A container (:func:`_is_container`: the model, its backbone) is gathered with only its own
+    parameters, so no gather ever holds more than the largest block or embedding. A module whose own parameters were
+    all initialised already is skipped (a tied ``lm_head`` keeps the embedding's values, as when Hugging Face ties the
+    weights after its init). Hugging Face's ``_is_hf_initialized`` marks on the parameters are lifted for the call:
+    they were set by the init that wrote into empty placeholders.
+    """
+    import deepspeed
+
+    seen: set[int] = set()
+    for sub in _modules_in_init_order(owner):
+        own = list(sub.parameters(recurse=False))
+        if own and all(id(p) in seen for p in own):
+            continue
+        seen.update(id(p) for p in own)
+        gathered = own if _is_container(sub) else list(sub.parameters())
+        marks = [(p, p.__dict__.pop("_is_hf_initialized")) for p in gathered if "_is_hf_initialized" in p.__dict__]
+        try:
+            with deepspeed.zero.GatheredParameters(gathered, modifier_rank=0), torch.no_grad():
+                init_weights(sub)
+        finally:
+            for p, mark in marks:
+                p._is_hf_initialized = mark  # type: ignore[attr-defined]
+
+
 def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
-    """Re-run model-defined ``reset_parameters`` on gathered ZeRO-3 parameters built inside ``deepspeed.zero.Init``.
+    """Re-run the model's own init on ZeRO-3 parameters built inside ``deepspeed.zero.Init``, a module at a time.
 
     ``deepspeed.zero.Init`` partitions each parameter as soon as its ``nn`` module is built, so a custom init that a
-    parent module runs at the end of its ``__init__`` (e.g. GPT's N(0, 0.02)) writes into empty placeholders and is
-    lost: the shards keep torch's defaults (N(0, 1) embeddings). Each outermost module whose class is not from
-    ``torch`` and defines ``reset_parameters`` runs it again with its parameters gathered; rank 0's values are then
-    re-partitioned to all ranks. The gather holds that module's full parameters for the duration of the call.
+    parent module runs at the end of its ``__init__`` (GPT's N(0, 0.02), a Hugging Face model's ``post_init``) writes
+    into empty placeholders and is lost: the shards keep torch's defaults (N(0, 1) embeddings). For each outermost
+    module whose class is not from ``torch``:
 
-    Only modules whose parameters were all created in this context are re-initialised: Lightning enters the
-    sharded context again for every ``validate``/``test`` after ``fit`` (``configure_model`` then builds nothing),
-    and re-initialising there would replace the trained weights by fresh ones.
+    - with a per-module ``_init_weights(module)`` (Hugging Face's ``PreTrainedModel``, our ``GPT``): it is called
+      for each of its modules with at most one block's parameters gathered (:func:`_init_module_by_module`), never
+      the whole model;
+    - else with ``reset_parameters()``: it runs with all of that module's parameters gathered.
+
+    Rank 0's values are then re-partitioned to all ranks. Only modules whose parameters were all created in this
+    context are re-initialised: Lightning enters the sharded context again for every ``validate``/``test`` after
+    ``fit`` (``configure_model`` then builds nothing), and re-initialising there would replace the trained weights.
 
     Args:
         root: the LightningModule.
@@ -102,9 +156,13 @@ def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
         params = list(module.parameters())
         if all(id(p) in existing for p in params):
             return
+        ours = type(module).__module__.split(".")[0] != "torch" and not any(id(p) in existing for p in params)
+        init_weights = getattr(module, "_init_weights", None)
         reset = getattr(module, "reset_parameters", None)
-        custom = type(module).__module__.split(".")[0] != "torch" and callable(reset)
-        if custom and callable(reset) and not any(id(p) in existing for p in params):
+        if ours and callable(init_weights):
+            _init_module_by_module(module, init_weights)
+            return
+        if ours and callable(reset):
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
                 reset()
             return
