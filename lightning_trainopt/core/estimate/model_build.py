@@ -10,8 +10,8 @@ Read for the demo model as ``train.py`` builds it (lightning 2.6, deepspeed 0.19
   device only when ``available_memory()`` has room for a second copy, else through the CPU: it never adds a device
   peak. (Built in fp32 it would hold 4 B/param: LLaMA-13B 48.5 GiB on a 40 GB card planned at 26.7 GiB.)
 - DeepSpeed ZeRO-3: ``deepspeed.zero.Init`` partitions each parameter as its module is built; then
-  ``strategies/deepspeed.py`` re-runs ``GPT.reset_parameters`` inside ``GatheredParameters`` over the whole model
-  (``_rerun_custom_init``): every weight gathered on every device at once, beside the partitions.
+  ``strategies/deepspeed.py`` re-runs the model's init (``_rerun_custom_init``) one module at a time inside
+  ``GatheredParameters``: at most one block or the embedding gathered at once, beside the partitions.
 - FSDP2: Lightning's ``ModelParallelStrategy`` gives ``configure_model`` no device, so the whole model is built in
   host memory on every rank (fp32 unless ``*-true``); ``fully_shard`` then moves one unit at a time to the device and
   shards it: the device holds the shards so far plus one whole unit.
@@ -30,7 +30,12 @@ __all__ = ["build_terms"]
 
 
 def build_terms(
-    numels: Sequence[int], weight_bytes: int, layout: StrategyLayout, world_size: int, largest_unit: int = 0
+    numels: Sequence[int],
+    weight_bytes: int,
+    layout: StrategyLayout,
+    world_size: int,
+    largest_unit: int = 0,
+    largest_gather: int | None = None,
 ) -> list[Term]:
     """The ``build`` terms of one rank.
 
@@ -40,6 +45,8 @@ def build_terms(
         layout: the strategy.
         world_size: data-parallel ranks.
         largest_unit: elements of FSDP2's largest unit (FSDP only).
+        largest_gather: elements ZeRO-3 gathers at once to re-run the model's init: its largest block or single
+            parameter (the embedding); default: the largest parameter.
     """
     n, b, w = sum(numels), weight_bytes, world_size
     whole = f"{b} B x {_gb(n)}"
@@ -58,13 +65,14 @@ def build_terms(
         ]
     shards = sum(math.ceil(k / w) for k in numels)
     if layout.kind == "deepspeed":
+        gather = min(max(numels, default=0) if largest_gather is None else largest_gather, n)
         terms = [
             Term(
                 "params",
                 "device",
-                "every weight gathered to re-run GPT.reset_parameters (zero.Init)",
-                b * n,
-                f"{whole} (strategies/deepspeed.py _rerun_custom_init)",
+                "the largest block or embedding, gathered to re-run the model's init (zero.Init)",
+                b * gather,
+                f"{b} B x {_gb(gather)} (strategies/deepspeed.py _rerun_custom_init)",
                 phase="build",
             )
         ]

@@ -125,7 +125,8 @@ def estimate_model_states(
     wb, gb = param_dtype_bytes(trainer_precision, layout)
     grad_phase = "step" if accumulate == 1 else "all"
     units = fsdp_units or FSDPUnits.per_parameter(numels)
-    built = build_terms(numels, wb, layout, w, max((*units.blocks, units.root), default=0))
+    largest_unit = max((*units.blocks, units.root), default=0)
+    built = build_terms(numels, wb, layout, w, largest_unit, largest_gather=max((*units.blocks, *numels), default=0))
     terms: list[Term | None] = list(built)
     if layout.kind in ("single", "ddp"):
         terms.append(Term("params", "device", f"{8 * wb}-bit weights", wb * n, f"{wb} B x {_gb(n)}"))
