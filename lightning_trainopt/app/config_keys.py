@@ -11,6 +11,8 @@ import difflib
 import importlib
 import inspect
 from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_trainopt.exceptions import ConfigKeysError
 from lightning_trainopt.techniques.optimizers import BITSANDBYTES_OPTIMIZERS
 
-__all__ = ["TRAINER_TARGET", "check_config_keys", "key_problems", "missing_key_fix"]
+__all__ = ["TRAINER_TARGET", "check_config_keys", "key_problems", "missing_key_fix", "root_keys"]
 
 #: What the ``trainer`` node's keys are passed to (train.py adds the arguments in ``APP_TRAINER_KEYS`` itself).
 TRAINER_TARGET = "lightning.pytorch.Trainer"
@@ -43,6 +45,11 @@ _KWARGS_GO_TO: dict[str, str | tuple[str, ...]] = {
     "lightning_trainopt.techniques.optimizers.torchao_adamw8bit": "torchao.optim.AdamW8bit",
     "lightning_trainopt.techniques.optimizers.torchao_adamw4bit": "torchao.optim.AdamW4bit",
 }
+# The app's config tree: its groups (sub-directories) and its root configs' own keys are the top-level keys.
+_CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# Top-level keys that no root config file declares: Hydra's node, and the run directory a config composed outside
+# Hydra names (``train.output_dir``).
+_EXTRA_ROOT_KEYS = frozenset({"hydra", "output_dir"})
 _MAX_LISTED = 12  # arguments listed in full when no name is close to the misspelt one
 _MISSING = "???"  # OmegaConf's mark of a value still to be given
 
@@ -217,14 +224,55 @@ def _named_group(group: str, node: Any) -> Iterator[Problem]:
         yield f"{group}.{name}", entry, fix
 
 
+@cache
+def root_keys(config_name: str = "train", conf_dir: Path = _CONF_DIR) -> frozenset[str]:
+    """The top-level keys a config composed from ``conf/<config_name>.yaml`` may have.
+
+    The config groups (``conf/<group>/`` directories), the keys of the root config and of the root configs its
+    defaults list includes (``plan.yaml`` includes ``train``). Read from the config tree itself, so a group or a root
+    key added there is known without a list to update. Empty when the file is not found (nothing is then checked).
+    """
+    root = conf_dir / f"{config_name}.yaml"
+    if not root.is_file():
+        return frozenset()
+    keys = set(_EXTRA_ROOT_KEYS) | {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    node = OmegaConf.load(root)
+    if isinstance(node, DictConfig):
+        keys.update(str(k) for k in node if k != "defaults")
+        for entry in node.get("defaults") or []:
+            if isinstance(entry, str) and entry != "_self_" and (conf_dir / f"{entry}.yaml").is_file():
+                keys |= root_keys(entry, conf_dir)
+    return frozenset(keys)
+
+
+def _config_name(cfg: DictConfig) -> str:
+    """The root config ``cfg`` was composed from: Hydra's job config name, else ``plan`` or ``train`` by its keys."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        name = HydraConfig.get().job.get("config_name")
+        if name:
+            return str(name)
+    return "plan" if "plan" in cfg else "train"
+
+
+def _root_key(key: str, value: Any, known: frozenset[str]) -> Problem:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    scalars = sorted(k for k in known if not (_CONF_DIR / k).is_dir() and k not in _EXTRA_ROOT_KEYS | {"plan"})
+    fix = f"no such top-level key; did you mean {close[0]}?" if close else "no such top-level key; remove it."
+    settings = ", ".join(scalars)
+    return key, value, f"{fix} The top-level settings are {settings}; a group's key goes under it (data.seed)."
+
+
 def key_problems(cfg: DictConfig) -> list[Problem]:
     """``(key, value, fix)`` for every key that what it is passed to does not take, and every argument missing.
 
-    Keys are bound to the signature of their node's ``_target_`` (nested targets too); a target that takes
-    ``**kwargs`` accepts any key unless they are known to go on to a callable with a signature (a class of this
-    package passes them to its base class, ``DDPStrategy`` to torch's ``DistributedDataParallel``, ...). The arguments
-    the app passes a partial itself (an optimizer's parameters, a scheduler's optimizer and ``total_steps``) are
-    not for the config to give. A target whose module cannot be imported because a package is missing is skipped:
+    A top-level key must be a config group or a key of the root config ``cfg`` was composed from (:func:`root_keys`:
+    ``+sead=1`` is refused). Keys are bound to the signature of their node's ``_target_`` (nested targets too); a target
+    that takes ``**kwargs`` accepts any key unless they are known to go on to a callable with a signature (a class of
+    this package passes them to its base class, ``DDPStrategy`` to torch's ``DistributedDataParallel``, ...). The
+    arguments the app passes a partial itself (an optimizer's parameters, a scheduler's optimizer and ``total_steps``)
+    are not for the config to give. A target whose module cannot be imported because a package is missing is skipped:
     the pre-flight check refuses it with the command that installs the package.
 
     Args:
@@ -233,9 +281,13 @@ def key_problems(cfg: DictConfig) -> list[Problem]:
     plain = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(plain, dict)
     problems: list[Problem] = []
+    known = root_keys(_config_name(cfg))
     for group, node in plain.items():
         group = str(group)
         if group == "hydra":
+            continue
+        if known and group not in known:
+            problems.append(_root_key(group, node, known))
             continue
         if group == "trainer":
             problems.extend(_trainer(node))

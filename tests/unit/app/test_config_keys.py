@@ -159,6 +159,11 @@ def test_a_new_preset_with_a_misspelt_key_fails_the_check(tmp_path):
             "lightning_trainopt.callbacks has no StepTimr; did you mean StepTimer?",
         ),
         (
+            ["+sead=1"],
+            "sead=1: no such top-level key; did you mean seed? The top-level settings are ckpt_path, compile, "
+            "continue_on_oom, seed, task_name; a group's key goes under it (data.seed).",
+        ),
+        (
             ["~precision.trainer_precision"],
             "precision.trainer_precision=???: missing argument of lightning_trainopt.precision.PrecisionSpec; "
             "add +precision.trainer_precision=...",
@@ -170,6 +175,12 @@ def test_a_key_its_target_does_not_take_is_refused_with_the_nearest_valid_one(tm
     with pytest.raises(ConfigKeysError) as err:
         validate_config(cfg)
     assert str(err.value) == line
+
+
+def test_plan_py_takes_its_plan_node_and_train_py_does_not(tmp_path):
+    assert not key_problems(compose_config([], tmp_path, name="plan"))
+    problems = key_problems(compose_config(["+plan.top_k=3"], tmp_path))
+    assert [(key, fix.split(";")[0]) for key, _, fix in problems] == [("plan", "no such top-level key")]
 
 
 def test_every_misspelt_key_is_reported_at_once(tmp_path):
