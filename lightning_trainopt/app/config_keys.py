@@ -250,7 +250,7 @@ def _config_name(cfg: DictConfig) -> str:
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
-        name = HydraConfig.get().job.get("config_name")
+        name = HydraConfig.get().job.config_name
         if name:
             return str(name)
     return "plan" if "plan" in cfg else "train"
