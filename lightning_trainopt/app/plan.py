@@ -73,7 +73,7 @@ def _measured_tokens_per_sec(path: Any, inputs: PlanInputs, on_cuda: bool) -> fl
         )
     data = json.loads(file.read_text())
     expected = {
-        "n_params": inputs.model.n_params(),
+        "n_params": inputs.profile.n_params,
         "seq_len": inputs.seq_len,
         "trainer_precision": inputs.trainer_precision,
         "accelerator": "cuda" if on_cuda else "cpu",
@@ -295,7 +295,7 @@ def plan(cfg: DictConfig) -> PlanResult:
     est = run(inputs)
     default_of = _seq_len_default_of(cfg)
     note = seq_len_note(inputs, default_of)
-    n = inputs.model.n_params()
+    n = inputs.profile.n_params
     textbook = {s: textbook_model_state_bytes(n, s) for s in ("fp32", "mixed")}
     allowed = _allowed(cfg, on_cuda)
     if not search:

@@ -105,8 +105,8 @@ def seq_len_note(inputs: PlanInputs, default_of: str) -> str:
         one sentence naming the length, where it comes from and the override to plan another; ``""`` when the
         length was set or is at least a quarter of ``max_seq_len``.
     """
-    m = inputs.model
-    if not default_of or inputs.seq_len * _SHORT_SEQ_SHARE >= m.max_seq_len:
+    m = inputs.profile
+    if not default_of or m.max_seq_len is None or inputs.seq_len * _SHORT_SEQ_SHARE >= m.max_seq_len:
         return ""
     return (
         f"seq_len {inputs.seq_len} is the default of data={default_of}, not a length you set: {m.name} takes up to "
@@ -177,11 +177,11 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     top_k = result.top_k if top_k is None else top_k
     console = console or Console(width=None if Console().is_terminal else 150)
     e, i, hw = result.estimate, result.estimate.inputs, result.hardware
-    n = i.model.n_params()
+    n = i.profile.n_params
     ch = result.choices
     default = f" (data={result.seq_len_default_of} default)" if result.seq_len_default_of else ""
     console.rule(
-        f"[bold]plan: {i.model.name} ({n / 1e9:.3f}B params) at seq_len {i.seq_len}{default} on "
+        f"[bold]plan: {i.profile.name} ({n / 1e9:.3f}B params) at seq_len {i.seq_len}{default} on "
         f"{i.world_size} x {hw.name}"
     )
     if result.seq_len_note:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_trainopt.core.estimate import LOCATIONS, Candidate, PlanEstimate, PlanInputs
-from lightning_trainopt.core.flops import transformer_flops
 from lightning_trainopt.core.hardware import HardwareSpec
 
 __all__ = ["DEFAULT_HFU", "PlanResult", "estimate_dict", "model_flops_per_token"]
@@ -22,7 +21,7 @@ DEFAULT_HFU = 0.4
 def model_flops_per_token(inputs: PlanInputs) -> float:
     """Model FLOPs of forward + backward per token (3 x forward, the numerator of MFU), without recomputation."""
     tokens = inputs.micro_batch * inputs.seq_len
-    return transformer_flops(inputs.model, inputs.seq_len, inputs.micro_batch).train / tokens
+    return inputs.profile.flops(inputs.micro_batch, inputs.seq_len)[0] / tokens
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def estimate_dict(e: PlanEstimate) -> dict[str, Any]:
     mem = e.memory
     model_flops = model_flops_per_token(e.inputs)
     return {
-        "n_params": e.inputs.model.n_params(),
+        "n_params": e.inputs.profile.n_params,
         "world_size": e.inputs.world_size,
         "micro_batch": e.inputs.micro_batch,
         "seq_len": e.inputs.seq_len,

@@ -180,16 +180,23 @@ class MetaTruthValues:
             model_on_meta(**meta_batch)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fake: bool = False) -> None:
+        """``fake``: answer for the fake tensors of a ``FakeTensorMode`` entered before this mode as well (the
+        planner's activation measurement), where a read raises ``DataDependentOutputException``."""
         from torch.utils._python_dispatch import TorchDispatchMode
 
         owner = self
         scalar = torch.ops.aten._local_scalar_dense.default
 
+        def answered(t: Any) -> bool:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bool:
+                return False
+            return t.is_meta or (fake and type(t).__name__ == "FakeTensor")
+
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 t = args[0] if args else None
-                if func is scalar and isinstance(t, torch.Tensor) and t.is_meta and t.dtype == torch.bool:
+                if func is scalar and answered(t):
                     owner.reads += 1
                     return True
                 return func(*args, **(kwargs or {}))

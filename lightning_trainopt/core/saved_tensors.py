@@ -299,6 +299,11 @@ class SavedTensorsCounter:
             by_dtype=by_dtype,
         )
 
+    def storages(self) -> list[tuple[int, str, bool]]:
+        """Each activation storage counted since the last :meth:`reset` / :meth:`mark`: ``(bytes, dtype name,
+        is a weight copy)``, for estimates that apply a technique's rule storage by storage."""
+        return [(nbytes, dtype, key in self._copy_keys) for key, (nbytes, _, dtype) in self._storages.items()]
+
     def start(self) -> None:
         """Begin counting (``__enter__`` calls this)."""
         _STATE.add_counter(self)

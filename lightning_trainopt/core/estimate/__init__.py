@@ -2,6 +2,13 @@
 
 from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
 from lightning_trainopt.core.estimate.measure import measure_activation_bytes
+from lightning_trainopt.core.estimate.model_profile import (
+    ModelProfile,
+    decay_groups,
+    forward_trace,
+    gpt_profile,
+    module_profile,
+)
 from lightning_trainopt.core.estimate.model_states import (
     ADAM_PATHS,
     StrategyLayout,
@@ -28,6 +35,7 @@ __all__ = [
     "ActivationPolicy",
     "Candidate",
     "MemoryEstimate",
+    "ModelProfile",
     "OptimizerStateModel",
     "PlanEstimate",
     "PlanInputs",
@@ -35,13 +43,17 @@ __all__ = [
     "SpeedEstimate",
     "StrategyLayout",
     "Term",
+    "decay_groups",
     "estimate_model_states",
     "estimate_plan",
     "estimate_speed",
     "estimate_transformer_activations",
+    "forward_trace",
     "gpt_module_trace",
     "gpt_param_groups",
+    "gpt_profile",
     "measure_activation_bytes",
+    "module_profile",
     "optimizer_state_model",
     "param_dtype_bytes",
     "rank_candidates",

@@ -35,7 +35,7 @@ from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
 from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["ActivationPolicy", "estimate_transformer_activations"]
+__all__ = ["ActivationPolicy", "compressed_bytes", "estimate_transformer_activations", "placed_bytes"]
 
 _ATTENTION = ("sdpa", "math")
 
@@ -76,7 +76,7 @@ class ActivationPolicy:
             raise ConfigError("activations.bits", self.compress_bits, "the planner models int8 compression (bits=8).")
 
 
-def _compressed(nbytes_per_elem: int, numel: int, policy: ActivationPolicy) -> int:
+def compressed_bytes(nbytes_per_elem: int, numel: int, policy: ActivationPolicy) -> int:
     """Bytes one saved floating tensor of ``numel`` elements occupies under the policy."""
     if policy.compress_bits is None or numel < policy.compress_min_numel:
         return nbytes_per_elem * numel
@@ -84,7 +84,7 @@ def _compressed(nbytes_per_elem: int, numel: int, policy: ActivationPolicy) -> i
     return blocks * policy.compress_block + 4 * blocks  # int8 codes padded to whole blocks + fp32 scales
 
 
-def _placed(tensors: list[tuple[int, int]], policy: ActivationPolicy) -> tuple[int, int, int]:
+def placed_bytes(tensors: list[tuple[int, int]], policy: ActivationPolicy) -> tuple[int, int, int]:
     """(bytes kept on the device, bytes offloaded, pinned round-up) of saved tensors given as (bytes, elements).
 
     ``CpuOffloader`` leaves storages under ``offload_min_numel`` elements where they are and copies the rest into
@@ -136,7 +136,7 @@ def estimate_transformer_activations(
     stream = 4 if (autocast or a == 4) else 2
 
     def saved(elem: int, numel: int) -> int:
-        return _compressed(elem, numel, policy)
+        return compressed_bytes(elem, numel, policy)
 
     # One block's saved tensors, as (bytes per element, elements) of each distinct tensor.
     block_tensors = [(4, bt * d), (4, bt), (4, bt * d)] * 2  # two RMSNorms: fp32 input, rsqrt, normalised
@@ -199,7 +199,7 @@ def estimate_transformer_activations(
     terms: list[Term] = []
     rounded = 0
     for label, formula, count, tensors in groups:
-        kept, moved, pad = _placed(tensors, policy)
+        kept, moved, pad = placed_bytes(tensors, policy)
         stays = f"{label} (storages < {policy.offload_min_numel} elements, not offloaded)" if policy.offload else label
         terms.append(Term("activations", "device", stays, count * kept, formula))
         terms.append(Term("activations", "cpu", label, count * moved, formula))

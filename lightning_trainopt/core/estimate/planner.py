@@ -4,33 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
-from lightning_trainopt.core.estimate.fsdp_units import gpt_fsdp_units
+from lightning_trainopt.core.estimate.activations import ActivationPolicy
+from lightning_trainopt.core.estimate.model_profile import ModelProfile, gpt_param_groups, gpt_profile
 from lightning_trainopt.core.estimate.model_states import StrategyLayout, estimate_model_states
 from lightning_trainopt.core.estimate.offload_time import Bandwidths, estimate_step_overhead
 from lightning_trainopt.core.estimate.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import MemoryEstimate
-from lightning_trainopt.core.estimate.zero3_gather import gpt_module_trace
-from lightning_trainopt.core.flops import transformer_flops
 from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
-
-
-def gpt_param_groups(cfg: GPTConfig) -> list[list[int]]:
-    """Element counts of :class:`~lightning_trainopt.models.GPT`'s parameters as ``LitGPT.param_groups`` splits them.
-
-    Returns:
-        ``[matrices (weight decay), vectors (no decay)]``; a tied embedding counted once.
-    """
-    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
-    block = [d * d, d * kv, d * kv, d * d, d * cfg.ffn_hidden, d * cfg.ffn_hidden, cfg.ffn_hidden * d]
-    matrices = [cfg.vocab_size * d] + block * cfg.n_layers
-    if not cfg.tie_embeddings:
-        matrices.append(cfg.vocab_size * d)
-    return [matrices, [d] * (2 * cfg.n_layers + 1)]
 
 
 @dataclass(frozen=True)
@@ -38,7 +22,8 @@ class PlanInputs:
     """Everything the planner needs, as plain values (the app builds it from the Hydra config).
 
     Args:
-        model: the transformer's shape.
+        model: the model: our transformer's shape (planned analytically) or the :class:`ModelProfile` of any
+            module (``model_profile.module_profile``).
         trainer_precision: Lightning precision string.
         layout: the strategy.
         optimizer: how the optimizer stores state.
@@ -53,7 +38,7 @@ class PlanInputs:
             ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
     """
 
-    model: GPTConfig
+    model: GPTConfig | ModelProfile
     trainer_precision: str = "bf16-mixed"
     layout: StrategyLayout = field(default_factory=StrategyLayout)
     optimizer: OptimizerStateModel = field(default_factory=lambda: OPTIMIZER_STATES["adamw"])
@@ -77,6 +62,11 @@ class PlanInputs:
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
+
+    @property
+    def profile(self) -> ModelProfile:
+        """The model as the planner reads it (our transformer's analytic profile for a :class:`GPTConfig`)."""
+        return self.model if isinstance(self.model, ModelProfile) else gpt_profile(self.model)
 
     @property
     def compute_bytes(self) -> int:
@@ -217,24 +207,19 @@ def estimate_plan(
     if mfu is not None and hfu is not None:
         raise ConfigError("mfu", mfu, "give hfu only (mfu is its former name).")
     hfu = mfu if mfu is not None else (0.4 if hfu is None else hfu)
-    m = inputs.model
+    m = inputs.profile
     states = estimate_model_states(
-        gpt_param_groups(inputs.model),
+        m.param_groups,
         inputs.trainer_precision,
         inputs.layout,
         inputs.optimizer,
         inputs.world_size,
         accumulate=inputs.accumulate,
         adam_path=inputs.adam_path,
-        module_trace=gpt_module_trace(
-            m.vocab_size, m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden, m.n_layers, m.tie_embeddings
-        ),
-        fsdp_units=gpt_fsdp_units(
-            m.vocab_size, m.d_model, m.kv_heads * m.head_dim, m.ffn_hidden, m.n_layers, m.tie_embeddings
-        ),
+        module_trace=m.module_trace,
+        fsdp_units=m.fsdp_units,
     )
-    acts = estimate_transformer_activations(
-        inputs.model,
+    acts = m.activations(
         inputs.micro_batch,
         inputs.seq_len,
         inputs.compute_bytes,
@@ -242,15 +227,16 @@ def estimate_plan(
         inputs.activations,
         inputs.attention,
     )
-    flops = transformer_flops(inputs.model, inputs.seq_len, inputs.micro_batch)
+    model_flops, recompute_flops = m.flops(inputs.micro_batch, inputs.seq_len)
     every = inputs.activations.checkpoint_every
-    n_ckpt = 0 if every == 0 else -(-inputs.model.n_layers // every)
-    hw_flops = flops.hardware_train(recompute_fraction=n_ckpt / inputs.model.n_layers)
+    n_ckpt = 0 if every == 0 or not m.n_blocks else -(-m.n_blocks // every)
+    fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
+    hw_flops = model_flops + int(round(fraction * recompute_flops))
     per_token = hw_flops / (inputs.micro_batch * inputs.seq_len)
     memory = states + acts
     overhead = estimate_step_overhead(
         memory,
-        n_params=m.n_params(),
+        n_params=m.n_params,
         world_size=inputs.world_size,
         devices_per_node=inputs.devices,
         accumulate=inputs.accumulate,

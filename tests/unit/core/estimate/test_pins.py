@@ -468,11 +468,11 @@ def test_int8_compression_bytes_match_the_quantizer(numel, expected):
     # plus an fp32 scale per block: 1,025 elements take 17 blocks.
     import torch
 
-    from lightning_trainopt.core.estimate.activations import _compressed
+    from lightning_trainopt.core.estimate.activations import compressed_bytes
     from lightning_trainopt.techniques.compression import quantize_blockwise
 
     policy = ActivationPolicy(compress_bits=8)
-    assert _compressed(4, numel, policy) == expected
+    assert compressed_bytes(4, numel, policy) == expected
     if numel >= policy.compress_min_numel:
         q = quantize_blockwise(torch.randn(numel), policy.compress_block)
         assert q.codes.numel() * q.codes.element_size() + q.scales.numel() * q.scales.element_size() == expected
