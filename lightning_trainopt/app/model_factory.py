@@ -28,6 +28,7 @@ __all__ = [
     "model_kind",
     "model_name",
     "model_vocab_size",
+    "user_module_class",
 ]
 
 ModelKind = Literal["gpt", "hf", "module"]
@@ -59,7 +60,12 @@ def model_kind(model: DictConfig | dict[str, Any]) -> ModelKind:
     return "module"
 
 
-def _user_module_class(target: str) -> type[pl.LightningModule]:
+def user_module_class(target: str) -> type[pl.LightningModule]:
+    """The LightningModule class ``model._target_`` names.
+
+    Raises:
+        ConfigError: it cannot be imported, or is not a LightningModule.
+    """
     try:
         cls = get_class(target)
     except Exception as err:  # Hydra wraps the import error; the message names what failed
@@ -121,7 +127,7 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
     kind = model_kind(cfg.model)
     compile_model = bool(cfg.get("compile", False))
     if kind == "module":
-        _user_module_class(str(cfg.model._target_))
+        user_module_class(str(cfg.model._target_))
         module = instantiate(cfg.model)
         module = _with_app_optimizers(module, cfg)
         return _compiled_children(module) if compile_model else module

@@ -24,6 +24,7 @@ __all__ = [
     "Requirement",
     "Rule",
     "check_packages",
+    "check_vocab",
     "compatibility_matrix_markdown",
     "estimate_nvme_bytes",
     "optimizer_preset",
@@ -356,6 +357,28 @@ def size_advice(n_params: int, preset: str, offload: dict[str, str] | None = Non
     )
 
 
+def check_vocab(model_vocab: int | None, data_vocab: int | None, model_key: str) -> None:
+    """Refuse a model whose vocabulary is smaller than the token ids the data holds (the embedding would index out of
+    range on the first batch, on CPU an IndexError, on CUDA a device-side assert).
+
+    Args:
+        model_vocab: token ids the model embeds, ``None`` when unknown (nothing is checked).
+        data_vocab: token ids the data produces (byte-level text: 256), ``None`` when unknown.
+        model_key: the config key that sets the model's vocabulary, for the message.
+
+    Raises:
+        ConfigError: ``model_vocab < data_vocab``.
+    """
+    if model_vocab is None or data_vocab is None or model_vocab >= data_vocab:
+        return
+    raise ConfigError(
+        model_key,
+        model_vocab,
+        f"the data holds token ids up to {data_vocab - 1} ({data_vocab} ids) but the model embeds {model_vocab}; "
+        f"give the model at least {data_vocab} (e.g. {model_key}={data_vocab}) or use data with its tokenizer.",
+    )
+
+
 def preflight(p: PreflightInput | Any) -> list[str]:
     """Refuse known-bad combinations; return advice lines (possibly empty).
 
@@ -398,11 +421,8 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     callbacks = plain(cfg.get("callbacks")) or {}
     trainer = plain(cfg.get("trainer")) or {}
     targets = tuple(str(v.get("_target_", "")) for v in callbacks.values() if isinstance(v, dict))
-    model = plain(cfg.get("model"))
-    if n_params is None and isinstance(model, dict):
-        from lightning_trainopt.models.config import GPTConfig
-
-        n_params = GPTConfig(**{k: v for k, v in model.items() if k != "_target_"}).n_params()
+    if n_params is None:
+        n_params = _config_params(cfg)
     if world_size is None:
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
         world_size = devices * nodes if isinstance(devices, int) and devices > 0 and isinstance(nodes, int) else 1
@@ -424,6 +444,28 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     )
     check_packages(required_packages(p))
     return preflight(p)
+
+
+def _config_params(cfg: Any) -> int | None:
+    """The parameter count of ``cfg.model``: a GPT preset's shape, a Hugging Face model built on the meta device;
+    ``None`` for a user's module (building it may need more than its config)."""
+    from lightning_trainopt.app.model_factory import count_params, meta_module, model_kind
+
+    model = cfg.get("model")
+    if model is None:
+        return None
+    kind = model_kind(model)
+    if kind == "gpt":
+        from omegaconf import OmegaConf
+
+        from lightning_trainopt.models.config import GPTConfig
+
+        shape = OmegaConf.to_container(model, resolve=True)
+        assert isinstance(shape, dict)
+        return GPTConfig(**{str(k): v for k, v in shape.items() if k != "_target_"}).n_params()
+    if kind == "hf":
+        return count_params(meta_module(cfg))
+    return None
 
 
 def compatibility_matrix_markdown() -> str:

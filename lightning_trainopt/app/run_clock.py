@@ -15,7 +15,10 @@ __all__ = ["RunClock"]
 
 
 def batch_tokens(batch: Any) -> int:
-    """Tokens in a ``(inputs, targets)`` batch, from its shape only (no device sync)."""
+    """Tokens in an ``(inputs, targets)`` or ``{input_ids, ...}`` batch (padding included), from its shape only (no
+    device sync)."""
+    if isinstance(batch, dict):
+        return int(batch["input_ids"].numel())
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     return int(inputs.numel())
 

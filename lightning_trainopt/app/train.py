@@ -19,13 +19,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
 
 from lightning_trainopt.app.console import StepsProgressBar, model_line, quiet_console
+from lightning_trainopt.app.model_factory import (
+    build_lightning_module,
+    count_params,
+    meta_module,
+    model_kind,
+    model_name,
+    model_vocab_size,
+)
 from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.app.run_clock import RunClock
 from lightning_trainopt.app.validate import validate_config
 from lightning_trainopt.callbacks import NonFiniteGuard, ResumableCheckpoint
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.models import LitGPT
 from lightning_trainopt.precision import trainer_precision_kwargs
 from lightning_trainopt.strategies.report import StrategyReport
 
@@ -78,7 +85,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
-def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int, n_params: int) -> Any:
+def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int | None, n_params: int) -> Any:
     if cfg.get("strategy") is None:
         return "auto"
     from lightning_trainopt.strategies import build_strategy
@@ -94,7 +101,9 @@ def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
     return strategy_info(trainer)
 
 
-def _final_validation(trainer: pl.Trainer, module: LitGPT, dm: pl.LightningDataModule, clock: RunClock) -> None:
+def _final_validation(
+    trainer: pl.Trainer, module: pl.LightningModule, dm: pl.LightningDataModule, clock: RunClock
+) -> None:
     """Validate at the final step unless the fit loop just did, so ``val_loss`` describes the final weights."""
     if clock.last_val_step != trainer.global_step and trainer.limit_val_batches:
         trainer.validate(module, datamodule=dm, verbose=False)
@@ -163,7 +172,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     quiet_console(on_cpu=accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
     validate_config(cfg)
-    from lightning_trainopt.app.preflight import preflight
+    from lightning_trainopt.app.preflight import check_vocab, preflight
 
     for advice in preflight(cfg):
         log.warning(advice)
@@ -173,15 +182,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     precision = instantiate(cfg.precision)
-    model_cfg = instantiate(cfg.model)
     datamodule = instantiate(cfg.data)
-    datamodule.check_source()
-    module = LitGPT(
-        model_cfg,
-        optimizer=instantiate(cfg.optimizer),
-        scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
-        compile_model=bool(cfg.get("compile", False)),
-    )
+    if hasattr(datamodule, "check_source"):
+        datamodule.check_source()
+    module = build_lightning_module(cfg)
+    check_vocab(model_vocab_size(module), data_vocab_size(datamodule), _vocab_key(cfg))
+    # The module's own count once built (a user's module may build its model in __init__), else its meta copy's.
+    n_params = count_params(module) or count_params(meta_module(cfg))
+    name = model_name(cfg, module)
     clock = RunClock()
     # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
     # The activation techniques come before the other callbacks: hooks run in list order, so checkpointing is
@@ -193,7 +201,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         *_instantiate_named(cfg.get("callbacks")),
     ]
     loggers = _instantiate_named(cfg.get("logger"))
-    strategy = _build_strategy(cfg, precision, cfg.data.batch_size, model_cfg.n_params())
+    strategy = _build_strategy(cfg, precision, _micro_batch(cfg, datamodule), n_params)
 
     env = snapshot_env()
     prepare_child_command(run_dir)
@@ -204,7 +212,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if "enable_model_summary" not in trainer_kwargs:
         # Lightning's table would show a FLOPs column of zeros (it counts only with an example_input_array).
         trainer_kwargs["enable_model_summary"] = False
-        rank_zero_info(model_line(cfg.model.name, module.config.n_params()))
+        rank_zero_info(model_line(name, n_params))
     trainer = pl.Trainer(
         **trainer_kwargs,
         strategy=strategy,
@@ -251,7 +259,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
     if status == "diverged":
         log.warning("the final train loss is %s: recorded as status=diverged", loss)
-    metrics = _collect_metrics(cfg, trainer, module, clock, precision, outcome, wall, loss, info)
+    metrics = _collect_metrics(cfg, trainer, module, name, clock, precision, outcome, wall, loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / METRICS_FILE).write_text(metrics_json(metrics))
@@ -285,10 +293,33 @@ def metrics_json(metrics: dict[str, Any]) -> str:
     return json.dumps(_finite(metrics), indent=2, default=str, allow_nan=False)
 
 
+def _micro_batch(cfg: DictConfig, datamodule: Any) -> int | None:
+    """The micro-batch per device: the datamodule's ``batch_size`` (a MicroBatchFinder sets it), else the config's."""
+    value = getattr(datamodule, "batch_size", None)
+    if value is None:
+        value = cfg.data.get("batch_size")
+    return value if isinstance(value, int) else None
+
+
+def data_vocab_size(datamodule: Any) -> int | None:
+    """Token ids the data holds: byte-level text 256, else the datamodule's ``vocab_size`` when it has one."""
+    corpus = getattr(datamodule, "corpus", None)
+    if isinstance(corpus, str) and corpus != "synthetic":
+        return 256
+    value = getattr(datamodule, "vocab_size", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _vocab_key(cfg: DictConfig) -> str:
+    kind = model_kind(cfg.model)
+    return {"gpt": "model.vocab_size", "hf": "model.overrides.vocab_size"}.get(kind, "model.vocab_size")
+
+
 def _collect_metrics(
     cfg: DictConfig,
     trainer: pl.Trainer,
-    module: LitGPT,
+    module: pl.LightningModule,
+    name: str,
     clock: RunClock,
     precision: Any,
     outcome: dict[str, Any],
@@ -300,11 +331,13 @@ def _collect_metrics(
     world = trainer.world_size
     tokens_this_run = clock.local_tokens * world
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
-    micro = int(getattr(getattr(trainer, "datamodule", None), "batch_size", None) or cfg.data.batch_size)
+    micro = _micro_batch(cfg, getattr(trainer, "datamodule", None))
+    seq_len = cfg.data.get("seq_len") or getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+    per_step = micro * trainer.accumulate_grad_batches * world if micro is not None else None
     metrics: dict[str, Any] = {
         **outcome,
-        "model": cfg.model.name,
-        "n_params": module.config.n_params(),
+        "model": name,
+        "n_params": count_params(module),
         **strategy_info,
         "precision": precision.name,
         "trainer_precision": precision.trainer_precision,
@@ -313,12 +346,13 @@ def _collect_metrics(
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
         "micro_batch_size": micro,
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "global_batch_size": micro * trainer.accumulate_grad_batches * world,
-        "seq_len": cfg.data.seq_len,
+        "global_batch_size": per_step,
+        "seq_len": seq_len,
         "global_step": trainer.global_step,
         "train_loss": train_loss,
         "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
-        "tokens_seen": trainer.global_step * trainer.accumulate_grad_batches * micro * cfg.data.seq_len * world,
+        "val_ppl": float(cb["val_ppl"]) if "val_ppl" in cb else None,
+        "tokens_seen": trainer.global_step * per_step * seq_len if per_step and seq_len else None,
         "tokens_this_run": tokens_this_run,
         "tokens_per_sec": tokens_this_run / clock.train_seconds if clock.train_seconds > 0 else None,
         "train_seconds": clock.train_seconds,

@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from lightning_trainopt.app.config_keys import check_config_keys
+from lightning_trainopt.app.model_factory import model_kind, user_module_class
 from lightning_trainopt.core.schedules import check_warmup_cosine
 from lightning_trainopt.exceptions import ConfigError
 
@@ -240,25 +242,13 @@ def _check_callback_schedules(callbacks: DictConfig, max_steps: Any) -> None:
         )
 
 
-def _check_data(data: DictConfig, model: DictConfig) -> None:
-    seq_len = data.seq_len
-    _positive_int("data.seq_len", seq_len, "use a positive sequence length.")
-    _positive_int("data.batch_size", data.batch_size, "use a positive micro-batch size per device.")
-    _positive_int("model.max_seq_len", model.max_seq_len, "use a positive number of tokens, e.g. 512.")
-    _positive_int("model.vocab_size", model.vocab_size, "use a positive number of token ids, e.g. 256.")
-    max_len = model.max_seq_len
-    if seq_len > max_len:
-        raise ConfigError(
-            "data.seq_len",
-            seq_len,
-            f"model {model.name} handles at most model.max_seq_len={max_len} tokens; "
-            f"use data.seq_len<={max_len} or raise model.max_seq_len.",
-        )
-    if data.corpus != "synthetic" and model.vocab_size < 256:
-        raise ConfigError(
-            "model.vocab_size", model.vocab_size, "byte-level text needs at least 256 token ids; use >= 256."
-        )
-    if data.corpus == "text_file" and not data.get("path"):
+def _check_data(data: DictConfig) -> None:
+    """The data node's own values (those of our ``TextDataModule``; a user's data module checks its own)."""
+    if "seq_len" in data:
+        _positive_int("data.seq_len", data.seq_len, "use a positive sequence length.")
+    if "batch_size" in data:
+        _positive_int("data.batch_size", data.batch_size, "use a positive micro-batch size per device.")
+    if data.get("corpus") == "text_file" and not data.get("path"):
         raise ConfigError("data.path", data.get("path"), "data=text_file needs data.path=/path/to/file_or_folder.")
     max_bytes = data.get("max_bytes")
     if max_bytes is not None and not (_is_int(max_bytes) and max_bytes >= 1):
@@ -270,6 +260,79 @@ def _check_data(data: DictConfig, model: DictConfig) -> None:
         raise ConfigError(
             "data.val_fraction", fraction, f"{_not_a_string(fraction)}use a fraction between 0 and 1, e.g. 0.02."
         )
+
+
+def _check_user_targets(cfg: DictConfig) -> None:
+    """``model=module`` and ``data=datamodule`` name a LightningModule and a LightningDataModule class (checked before
+    their keys are bound to those classes)."""
+    if model_kind(cfg.model) == "module":
+        user_module_class(str(cfg.model._target_))
+    data = cfg.data
+    if OmegaConf.is_missing(data, "_target_"):
+        raise ConfigError(
+            "data._target_",
+            "???",
+            "data=datamodule needs the class of your LightningDataModule: data._target_=pkg.module.MyData "
+            "(and its arguments as +data.ARG=...).",
+        )
+
+
+def _check_gpt(data: DictConfig, model: DictConfig) -> None:
+    """Our GPT presets' shape against the data: sequence length and byte vocabulary."""
+    _positive_int("model.max_seq_len", model.max_seq_len, "use a positive number of tokens, e.g. 512.")
+    _positive_int("model.vocab_size", model.vocab_size, "use a positive number of token ids, e.g. 256.")
+    max_len = model.max_seq_len
+    seq_len = data.get("seq_len")
+    if _is_int(seq_len) and seq_len > max_len:
+        raise ConfigError(
+            "data.seq_len",
+            seq_len,
+            f"model {model.name} handles at most model.max_seq_len={max_len} tokens; "
+            f"use data.seq_len<={max_len} or raise model.max_seq_len.",
+        )
+    if data.get("corpus") not in (None, "synthetic") and model.vocab_size < 256:
+        raise ConfigError(
+            "model.vocab_size", model.vocab_size, "byte-level text needs at least 256 token ids; use >= 256."
+        )
+
+
+def _text_vocab(data: DictConfig) -> int | None:
+    """Token ids our ``TextDataModule`` produces (bytes: 256; synthetic: ``data.vocab_size``), else ``None``."""
+    if "corpus" not in data:
+        return None
+    if data.corpus != "synthetic":
+        return 256
+    try:
+        vocab = data.get("vocab_size")
+    except InterpolationResolutionError:
+        raise ConfigError(
+            "data.vocab_size",
+            "${model.vocab_size}",
+            "this model has no model.vocab_size to take it from; give data.vocab_size=N (at most the model's).",
+        ) from None
+    return vocab if _is_int(vocab) else None
+
+
+def _check_hf(data: DictConfig, model: DictConfig, accelerator: str) -> None:
+    """A Hugging Face model from local files only: paths, weights, overrides, attention kernel, length, vocabulary."""
+    from hydra.utils import instantiate
+
+    from lightning_trainopt.app.preflight import check_vocab
+
+    spec = instantiate(model)
+    spec.check_attention(accelerator)
+    hf_config = spec.load()
+    spec.weights_dir()
+    max_len = getattr(hf_config, "max_position_embeddings", None)
+    seq_len = data.get("seq_len")
+    if _is_int(max_len) and _is_int(seq_len) and seq_len > max_len:
+        raise ConfigError(
+            "data.seq_len",
+            seq_len,
+            f"the model ({hf_config.model_type}) has {max_len} positions; use data.seq_len<={max_len} or raise "
+            f"+model.overrides.max_position_embeddings.",
+        )
+    check_vocab(int(hf_config.vocab_size), _text_vocab(data), model_key="model.overrides.vocab_size")
 
 
 def _check_hardware(hardware: DictConfig) -> None:
@@ -323,6 +386,7 @@ def validate_config(cfg: DictConfig) -> None:
         ConfigKeysError: keys that their targets do not take, or required arguments missing (all of them).
         ConfigError: the first invalid value found.
     """
+    _check_user_targets(cfg)
     check_config_keys(cfg)
     trainer = cfg.trainer
     accelerator = _check_trainer(trainer)
@@ -333,7 +397,12 @@ def validate_config(cfg: DictConfig) -> None:
         _check_scheduler(cfg.scheduler, trainer.max_steps)
     if cfg.get("callbacks"):
         _check_callback_schedules(cfg.callbacks, trainer.max_steps)
-    _check_data(cfg.data, cfg.model)
+    _check_data(cfg.data)
+    kind = model_kind(cfg.model)
+    if kind == "gpt":
+        _check_gpt(cfg.data, cfg.model)
+    elif kind == "hf":
+        _check_hf(cfg.data, cfg.model, accelerator)
     if cfg.get("hardware"):
         _check_hardware(cfg.hardware)
 

@@ -101,11 +101,12 @@ class LitLanguageModel(pl.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        # compute() reduces the sums over all ranks; the logged value is then the same everywhere.
+        # compute() reduces the sums over all ranks, so every rank logs the same value (sync_dist averages equal
+        # values: it only tells Lightning the value is global).
         loss = self.val_mean.compute()
         self.val_mean.reset()
-        self.log("val_loss", loss, prog_bar=True, rank_zero_only=False, sync_dist=False)
-        self.log("val_ppl", torch.exp(loss), sync_dist=False)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", torch.exp(loss), sync_dist=True)
 
     def param_groups(self, weight_decay: float | None = None) -> list[dict[str, Any]]:
         """Weight decay on matrices only (``decay_param_groups``, which reads ZeRO-3's ``ds_shape``)."""
