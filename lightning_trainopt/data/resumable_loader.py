@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_trainopt.data.resumable_sampler import ResumableSampler
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["ResumableDataLoader", "resume_point"]
+__all__ = ["ResumableDataLoader", "check_global_batch", "resume_point"]
 
 STATE_VERSION = 1
 _STATE_KEYS = ("version", "epoch", "samples_consumed", "seed", "shuffle", "dataset_size", "batch_size", "num_replicas")
@@ -208,16 +208,42 @@ def resume_point(
             f"{where} of a training set of {state['dataset_size']} samples, and this one has {dataset_size}: the text "
             "changed since (edited files, another Python's standard library); resume with the text it was trained on.",
         )
-    if batch_size * num_replicas != saved_batch:
-        raise ConfigError(
-            f"{config_prefix}.batch_size",
-            batch_size,
-            f"{where}, reading {saved_batch} per batch ({_ranks(state['num_replicas'])} x {state['batch_size']}); "
-            f"this run reads {batch_size * num_replicas} ({_ranks(num_replicas)} x {batch_size}), and Lightning counts "
-            f"the epoch's batches on from the checkpoint's, so the position holds only with {saved_batch} per batch: "
-            f"{_same_global_batch(saved_batch, num_replicas, config_prefix)}",
-        )
+    check_global_batch(state, batch_size, num_replicas, config_prefix)
     return epoch, consumed
+
+
+def check_global_batch(
+    state: Mapping[str, Any], batch_size: int, num_replicas: int, config_prefix: str = "data"
+) -> None:
+    """Refuse to continue a saved mid-epoch position with another global batch (``batch_size`` x ``num_replicas``).
+
+    Lightning counts the resumed epoch's batches on from the checkpoint's batch index, so the saved position holds
+    only with the saved global batch. Needs nothing but the saved state and the run's geometry, so the app checks it
+    before any process starts (the loader checks it again in :func:`resume_point`). A state at an epoch's start, or
+    with no full global batch left in its epoch, resumes with any geometry.
+
+    Args:
+        state: :meth:`ResumableDataLoader.state_dict` of the checkpoint.
+        batch_size: this run's micro-batch per rank.
+        num_replicas: this run's data-parallel ranks.
+        config_prefix: the config group that the error names.
+
+    Raises:
+        ConfigError: mid-epoch with another global batch; the message names the batch size (and ranks) that resume.
+    """
+    consumed = int(state["samples_consumed"])
+    saved_batch = int(state["batch_size"]) * int(state["num_replicas"])
+    if consumed == 0 or int(state["dataset_size"]) - consumed < saved_batch or batch_size * num_replicas == saved_batch:
+        return
+    where = f"the checkpoint stopped {consumed} samples into epoch {int(state['epoch'])}"
+    raise ConfigError(
+        f"{config_prefix}.batch_size",
+        batch_size,
+        f"{where}, reading {saved_batch} per batch ({_ranks(state['num_replicas'])} x {state['batch_size']}); "
+        f"this run reads {batch_size * num_replicas} ({_ranks(num_replicas)} x {batch_size}), and Lightning counts "
+        f"the epoch's batches on from the checkpoint's, so the position holds only with {saved_batch} per batch: "
+        f"{_same_global_batch(saved_batch, num_replicas, config_prefix)}",
+    )
 
 
 def _ranks(n: int) -> str:
