@@ -179,6 +179,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     run_dir = output_dir(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
+    if ckpt_path is not None:
+        from lightning_trainopt.app.resume_check import check_resume
+
+        check_resume(cfg, ckpt_path)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     precision = instantiate(cfg.precision)

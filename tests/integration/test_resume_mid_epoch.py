@@ -210,3 +210,5 @@ def test_a_rerun_with_another_global_batch_is_refused_before_training(ddp_to_one
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "error: data.batch_size=2 is invalid" in refused.stderr
     assert "data.batch_size=4" in refused.stderr  # the fix: the checkpoint's 4 sequences per batch on 1 process
+    # Refused from the checkpoint's saved loop state before the model is built or a process spawned.
+    assert "parameters (" not in refused.stdout + refused.stderr
