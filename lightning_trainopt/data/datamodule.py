@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_trainopt.data.corpus import read_text_corpus, stdlib_files, user_text_files
+from lightning_trainopt.data.loader_options import check_loader_options, loader_kwargs
 from lightning_trainopt.data.resumable_loader import ResumableDataLoader
 from lightning_trainopt.exceptions import ConfigError
 
@@ -87,25 +88,7 @@ class TextDataModule(pl.LightningDataModule):
             raise ConfigError("data.max_bytes", max_bytes, "use a positive number of bytes, or null to read all.")
         if corpus == "text_file" and not path:
             raise ConfigError("data.path", path, "data=text_file needs data.path=/path/to/file_or_folder.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError("data.num_workers", num_workers, "use an integer >= 0.")
-        for key, flag in (("pin_memory", pin_memory), ("persistent_workers", persistent_workers)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"data.{key}", flag, f"use true or false (got a {type(flag).__name__}).")
-        if prefetch_factor is not None and (
-            isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1
-        ):
-            raise ConfigError(
-                "data.prefetch_factor", prefetch_factor, "use a positive number of batches per worker, or null."
-            )
-        if prefetch_factor is not None and num_workers == 0:
-            raise ConfigError(
-                "data.prefetch_factor", prefetch_factor, "prefetching needs worker processes; set data.num_workers>0."
-            )
-        if persistent_workers and num_workers == 0:
-            raise ConfigError(
-                "data.persistent_workers", persistent_workers, "needs worker processes; set data.num_workers>0."
-            )
+        check_loader_options(num_workers, pin_memory, prefetch_factor, persistent_workers)
         self.corpus = corpus
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -149,15 +132,7 @@ class TextDataModule(pl.LightningDataModule):
         self.val_set = PackedSequences(tokens[-n_val:], self.seq_len)
 
     def _loader_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "num_workers": self.num_workers,
-            "pin_memory": self.pin_memory and torch.cuda.is_available(),
-        }
-        if self.num_workers > 0:
-            kwargs["persistent_workers"] = self.persistent_workers
-            if self.prefetch_factor is not None:
-                kwargs["prefetch_factor"] = self.prefetch_factor
-        return kwargs
+        return loader_kwargs(self.num_workers, self.pin_memory, self.prefetch_factor, self.persistent_workers)
 
     def data_options(self) -> dict[str, Any]:
         """The options that decide which sequences the training set holds, saved with the loader's position."""
