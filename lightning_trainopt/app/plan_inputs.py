@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.core.estimate import (
     ActivationPolicy,
+    ModelProfile,
     OptimizerStateModel,
     PlanInputs,
     SearchSpace,
@@ -32,6 +33,7 @@ __all__ = [
     "json_accumulation",
     "layout_of",
     "load_preset",
+    "model_of",
     "optimizer_from_cfg",
     "search_space_from_cfg",
     "strategy_layout",
@@ -321,23 +323,50 @@ def check_compatible(
             raise IncompatibleConfigError(rule.keys(p), rule.reason, rule.fix)
 
 
+def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
+    """What the planner plans: our transformer's shape for its presets (planned analytically), else the
+    :class:`ModelProfile` of the LightningModule ``cfg.model`` builds, on the meta device (``model=hf``,
+    ``model=module``): parameters read from it, activations measured on fake tensors, FLOPs counted.
+
+    Raises:
+        ConfigError: a model node the app cannot build, or a module whose training step does not run on fake tensors.
+    """
+    from lightning_trainopt.app.model_factory import meta_module, model_kind, model_name
+
+    if model_kind(cfg.model) == "gpt":
+        node = _plain(cfg.model)
+        node.pop("_target_", None)
+        return GPTConfig(**node)
+    from lightning_trainopt.app.plan_model import module_plan_profile
+
+    module = meta_module(cfg)
+    return module_plan_profile(module, model_name(cfg, module), _max_seq_len(module))
+
+
+def _max_seq_len(module: Any) -> int | None:
+    """The longest sequence a module says it takes: a Hugging Face config's ``max_position_embeddings`` (or
+    ``n_positions``), else a ``max_seq_len`` attribute or hyperparameter; ``None`` when it says nothing."""
+    hf_config = getattr(module, "hf_config", None)
+    for value in (
+        getattr(hf_config, "max_position_embeddings", None),
+        getattr(hf_config, "n_positions", None),
+        getattr(module, "max_seq_len", None),
+        getattr(getattr(module, "hparams", {}), "get", lambda _k: None)("max_seq_len"),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanInputs:
     """The planner's inputs for a composed ``train.py``/``plan.py`` config.
 
     Raises:
-        ConfigError: a value the planner cannot plan (e.g. ``trainer.devices=-1``, a foreign model,
-            ``trainer.accumulate_grad_batches=0``).
+        ConfigError: a value the planner cannot plan (e.g. ``trainer.devices=-1``, a module whose training step does
+            not run on fake tensors, ``trainer.accumulate_grad_batches=0``).
         IncompatibleConfigError: a combination ``train.py``'s pre-flight refuses (:func:`check_compatible`).
     """
-    model = _plain(cfg.model)
-    target = str(model.pop("_target_", "lightning_trainopt.models.GPTConfig"))
-    if not target.endswith("GPTConfig"):
-        raise ConfigError(
-            "model._target_",
-            target,
-            "plan.py plans GPTConfig models; for another nn.Module use measure_activation_bytes.",
-        )
-    gpt = GPTConfig(**model)
+    model = model_of(cfg)
     devices = _devices(cfg.trainer.get("devices", 1))
     nodes = _positive("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), "use a positive whole node count.")
     micro = _positive("data.batch_size", cfg.data.batch_size, "use a positive micro-batch size per device.")
@@ -362,7 +391,7 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         check_json_precision(user_json, trainer_precision)
         accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
     return PlanInputs(
-        model=gpt,
+        model=model,
         trainer_precision=trainer_precision,
         layout=layout,
         optimizer=optimizer,
