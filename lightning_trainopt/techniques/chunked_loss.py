@@ -1,0 +1,190 @@
+"""The output head and cross-entropy computed chunk by chunk over the tokens, so the full logits never exist.
+
+A language model's last step turns ``N`` hidden states into ``N x V`` logits and their cross-entropy. Autograd keeps
+the logits (and their fp32 copy) for backward: ``4·V`` bytes per token in fp32 alone, 0.5 MiB per token at a 128k
+vocabulary, often the largest single activation of the step. :func:`chunked_cross_entropy` computes the loss
+``chunk_size`` tokens at a time and keeps only the hidden states and one log-sum-exp per token; backward recomputes
+each chunk's logits and turns them into the gradients of the hidden states and of the weight right away.
+
+The weight must be gathered when this runs under ZeRO-3 or FSDP2 (sharded parameters are empty placeholders outside
+their module's forward). :class:`ChunkedLMHeadLoss` therefore runs inside the head module's own call, so the
+strategy's hooks gather the weight for forward and again for backward, exactly as for the plain ``lm_head(x)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_trainopt.exceptions import ConfigError
+
+__all__ = ["ChunkedLMHeadLoss", "chunked_cross_entropy", "head_weight", "run_in_head_call"]
+
+#: Tokens per chunk: 1024 tokens x 128k vocabulary = 0.5 GiB of fp32 logits at a time.
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        # The logits' dtype: autocast's under mixed precision (as F.linear would give), else the hidden states'. The
+        # ops below run with autocast off in that dtype, so backward (which runs outside autocast) recomputes them
+        # exactly.
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        valid = targets != ignore_index
+        count = valid.sum().clamp(min=1)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(device, enabled=False):
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                end = min(start + chunk, hidden.shape[0])
+                logits = F.linear(hidden[start:end].to(dtype), w, b).float()
+                lse[start:end] = torch.logsumexp(logits, dim=-1)
+                t = targets[start:end]
+                picked = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+                total += ((lse[start:end] - picked) * valid[start:end]).sum()
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, count)
+        ctx.chunk, ctx.ignore_index, ctx.dtype = chunk, ignore_index, dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, lse, count = ctx.saved_tensors
+        scale = grad_out.float() / count
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = (
+            torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        )
+        dtype = ctx.dtype
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end].to(dtype)
+            t = targets[start:end]
+            ok = (t != ctx.ignore_index).unsqueeze(1)
+            # d(lse - logit[t]) / d logits = softmax - onehot(t), for the tokens that count.
+            probs = torch.exp(F.linear(h, w, b).float() - lse[start:end].unsqueeze(1))
+            probs.scatter_add_(1, t.clamp(min=0).unsqueeze(1), -torch.ones_like(probs[:, :1]))
+            grad_logits = (probs * ok * scale).to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = (grad_logits @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += (grad_logits.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += grad_logits.float().sum(0)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, never holding all the logits.
+
+    Equal to ``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=ignore_index)``: the
+    logits are computed in ``hidden``'s dtype and reduced in fp32, chunk by chunk; backward recomputes them.
+
+    Args:
+        hidden: ``(..., d)`` hidden states (flattened to tokens).
+        weight: ``(V, d)`` output head weight.
+        targets: ``(...)`` token ids; ``ignore_index`` entries do not count.
+        bias: ``(V,)`` head bias, if the head has one.
+        chunk_tokens: tokens per chunk.
+        ignore_index: the target id that does not count (padding).
+
+    Raises:
+        ConfigError: ``chunk_tokens`` is not a positive integer.
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ConfigError("loss.chunk_tokens", chunk_tokens, "use a positive number of tokens per chunk, e.g. 1024.")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return _ChunkedCrossEntropy.apply(  # type: ignore[no-any-return]
+        flat, weight, bias, targets.reshape(-1), chunk_tokens, ignore_index
+    )
+
+
+def head_weight(head: nn.Module, loss_name: str) -> torch.Tensor:
+    """The output head's weight matrix, or a ConfigError naming ``loss`` when the head has none."""
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ConfigError(
+            "loss",
+            loss_name,
+            f"the output head {type(head).__name__} has no weight matrix; use loss=standard for this model.",
+        )
+    return weight
+
+
+def run_in_head_call(head: nn.Module, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *args: Any) -> Any:
+    """``fn(*args)`` run as ``head``'s forward, through ``head(*args)``, so the strategy's module hooks fire.
+
+    Under ZeRO-3 and FSDP2 the head's weight is a shard outside its forward: calling the module gathers it for
+    forward and registers the re-gather for backward. The head's ``forward`` is swapped for this call only.
+    """
+    own = head.__dict__.get("forward")
+    head.forward = fn  # type: ignore[method-assign]
+    try:
+        return head(*args)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own  # type: ignore[method-assign]
+
+
+class ChunkedLMHeadLoss:
+    """Run :func:`chunked_cross_entropy` through an output head module's own call (``loss(head, hidden, targets)``).
+
+    Args:
+        chunk_tokens: tokens per chunk.
+        ignore_index: the target id that does not count.
+
+    Example::
+
+        loss = ChunkedLMHeadLoss()(model.lm_head, hidden_states, targets)
+    """
+
+    name = "chunked_ce"
+
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, ignore_index: int = -100) -> None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ConfigError(
+                "loss.chunk_tokens", chunk_tokens, "use a positive number of tokens per chunk, e.g. 1024."
+            )
+        self.chunk_tokens = chunk_tokens
+        self.ignore_index = ignore_index
+
+    def __call__(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        head_weight(head, self.name)
+
+        def forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            bias = getattr(head, "bias", None)
+            return chunked_cross_entropy(h, head_weight(head, self.name), t, bias, self.chunk_tokens, self.ignore_index)
+
+        return run_in_head_call(head, forward, hidden, targets)  # type: ignore[no-any-return]
