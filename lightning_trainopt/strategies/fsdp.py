@@ -91,11 +91,22 @@ def apply_fully_shard(
         if module is not root and _own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
             fully_shard(module, **kwargs)
             count += 1
-    for child in root.children():
+    for child in _top_level_units(root):
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, **kwargs)
             count += 1
     return count
+
+
+def _top_level_units(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The children of ``root``, with a container (``nn.ModuleList``/``nn.ModuleDict``, which has no ``forward`` and
+    which ``fully_shard`` refuses) replaced by its own children, recursively: a user's module that keeps its blocks in
+    an ``nn.ModuleList`` directly, not inside a model module."""
+    for child in root.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            yield from _top_level_units(child)
+        else:
+            yield child
 
 
 class TrainOptFSDPStrategy(ModelParallelStrategy):

@@ -1,0 +1,183 @@
+"""train.py on models and data it does not ship: tiny Hugging Face Llama and GPT-2 configs written to a config.json,
+and a user's LightningModule and LightningDataModule (``tests/helpers/user_module.py``) fed padded dict batches."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_trainopt.app.train import train
+from tests.helpers.compose import REPO_ROOT, compose_config
+
+pytest.importorskip("transformers")
+
+from tests.helpers.hf_files import write_config  # noqa: E402
+
+USER = "tests.helpers.user_module"
+PADDED = ("data=datamodule", f"data._target_={USER}.PaddedTokens")
+# Tiny runs: 3 optimizer steps, validation at the end on 2 batches.
+SHORT = (
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+)
+BYTES = ("data.seq_len=32", "data.batch_size=4", "data.max_bytes=200000")
+
+
+def _hf_params(config_file: Path, **overrides: Any) -> int:
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(str(config_file), **overrides)
+    return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+
+
+def test_hf_llama_on_padded_user_batches_with_checkpointing(tmp_path):
+    config_dir = tmp_path / "llama"
+    write_config("llama", config_dir)
+    cfg = compose_config(
+        ["model=hf", f"model.config={config_dir}", *PADDED, "activations=checkpoint", *SHORT], tmp_path / "run"
+    )
+    metrics = train(cfg)
+    assert metrics["status"] == "ok"
+    assert metrics["model"] == "llama"
+    assert metrics["n_params"] == _hf_params(config_dir / "config.json")
+    assert metrics["val_ppl"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5)
+    assert metrics["train_loss"] < math.log(256) + 0.5  # a working step on random ids starts near ln(vocab)
+    assert metrics["throughput"]["flops_per_token"] > 0
+
+
+def test_gpt2_config_file_with_overrides_int8_and_bf16_on_bytes(tmp_path):
+    file = write_config("gpt2", tmp_path / "gpt2")
+    cfg = compose_config(
+        [
+            "model=hf",
+            f"model.config={file}",
+            "+model.overrides.num_hidden_layers=1",
+            "activations=int8",
+            "precision=bf16",
+            *BYTES,
+            *SHORT,
+        ],
+        tmp_path / "run",
+    )
+    metrics = train(cfg)
+    assert metrics["status"] == "ok"
+    assert metrics["model"] == "gpt2"
+    assert metrics["n_params"] == _hf_params(file, n_layer=1)
+    assert math.isfinite(metrics["val_loss"])
+
+
+def test_user_module_and_datamodule_with_the_default_callbacks_and_micro_batch_finder(tmp_path):
+    cfg = compose_config(
+        [
+            "model=module",
+            f"model._target_={USER}.UserLM",
+            *PADDED,
+            "callbacks=[default,micro_batch_finder]",
+            "callbacks.micro_batch_finder.budget_bytes=4e9",
+            *SHORT,
+        ],
+        tmp_path / "run",
+    )
+    metrics = train(cfg)
+    assert metrics["status"] == "ok"
+    assert metrics["model"] == "UserLM"
+    assert metrics["n_params"] == 2 * 256 * 32 + 256 + 2 * (4 * 32 * 32 + 4 * 32 + 2 * 32 * 64 + 64 + 32 + 4 * 32)
+    assert metrics["val_loss"] is not None
+    assert metrics["val_ppl"] is None  # the user's module logs val_loss only
+
+
+def test_a_hub_name_is_refused_before_anything_starts(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "model=hf", "model.config=meta-llama/Llama-2-7b-hf", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: model.config='meta-llama/Llama-2-7b-hf' is invalid: no such local")
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def _sweep(tmp_path: Path, *args: str) -> dict[str, dict[str, Any]]:
+    """Run ``train.py -m`` with 2 CPU processes per job; ``{strategy: metrics}`` of its jobs."""
+    proc = subprocess.run(
+        [sys.executable, "train.py", "-m", "trainer=ddp_sim", *args, *SHORT, f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    runs = {}
+    for path in sorted(tmp_path.glob("*/metrics.json")):
+        metrics = json.loads(path.read_text())
+        runs[metrics.get("strategy") or path.parent.name] = metrics
+    assert runs, proc.stderr[-3000:]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def llama_sweep(tmp_path_factory) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """HF Llama on our byte data with activation checkpointing, one launch: ddp, zero2, zero3, fsdp, same seed."""
+    root = tmp_path_factory.mktemp("llama_sweep")
+    write_config("llama", root / "llama")
+    runs = _sweep(
+        root / "sweep",
+        "model=hf",
+        f"model.config={root / 'llama'}",
+        "+strategy=ddp,zero2,zero3,fsdp",
+        "activations=checkpoint",
+        *BYTES,
+    )
+    return root / "llama" / "config.json", runs
+
+
+@pytest.mark.slow
+def test_hf_llama_trains_under_every_strategy_on_2_processes(llama_sweep):
+    config_file, runs = llama_sweep
+    assert {name: m["status"] for name, m in runs.items()} == dict.fromkeys(("ddp", "zero2", "zero3", "fsdp"), "ok")
+    n_params = _hf_params(config_file)
+    assert {name: m["n_params"] for name, m in runs.items()} == dict.fromkeys(runs, n_params)
+    assert runs["zero3"]["zero_stage"] == 3
+    assert all(m["world_size"] == 2 for m in runs.values())
+    # ZeRO-2 and FSDP2 train the same fp32 model on the same data as DDP.
+    for name in ("zero2", "fsdp"):
+        assert runs[name]["val_loss"] == pytest.approx(runs["ddp"]["val_loss"], rel=1e-3), name
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="under ZeRO-3 the Hugging Face model's _init_weights (normal 0.02) runs on partitioned placeholders and "
+    "is lost: the model keeps torch's default init; the per-module re-initialisation in strategies/deepspeed.py fixes "
+    "it",
+    strict=True,
+)
+def test_hf_llama_zero3_validates_as_ddp_on_the_same_seed(llama_sweep):
+    _, runs = llama_sweep
+    assert runs["zero3"]["val_loss"] == pytest.approx(runs["ddp"]["val_loss"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_user_module_on_padded_batches_under_sharding_with_int8_activations(tmp_path):
+    runs = _sweep(
+        tmp_path,
+        "model=module",
+        f"model._target_={USER}.UserLM",
+        *PADDED,
+        "+strategy=ddp,zero3,fsdp",
+        "activations=int8",
+    )
+    assert {name: m["status"] for name, m in runs.items()} == dict.fromkeys(("ddp", "zero3", "fsdp"), "ok")
+    assert len({m["n_params"] for m in runs.values()}) == 1
+    # The user module builds its model in __init__ from the same seed: the sharded runs match DDP.
+    for name in ("zero3", "fsdp"):
+        assert runs[name]["val_loss"] == pytest.approx(runs["ddp"]["val_loss"], rel=1e-3), name
