@@ -73,6 +73,10 @@ class TextTokenizer:
         # Fast transformers tokenizers are a tokenizers.Tokenizer underneath: encode with it directly (batched in Rust,
         # no warnings about documents longer than the model's context, which packing splits anyway).
         self._fast = backend if hasattr(backend, "encode_batch") else getattr(backend, "backend_tokenizer", None)
+        if self._fast is not None:
+            # The text of a special token inside a document (code that mentions "<|endoftext|>") is text: encoded as
+            # its characters, so that the only EOS ids in a shard are the ones that end documents.
+            self._fast.encode_special_tokens = True
 
     @classmethod
     def from_path(cls, path: str | Path, eos_token: str | None = None, key: str = "tokenizer.path") -> TextTokenizer:
@@ -115,16 +119,14 @@ class TextTokenizer:
         return cls(backend, eos, name=str(where.resolve()), sha256=_digest(files), key=eos_key)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text, with no special tokens added (no BOS; the caller appends :attr:`eos_id`)."""
+        """Token ids of each text, with no special tokens added (no BOS; the caller appends :attr:`eos_id`).
+
+        A special token's text inside a document is encoded as ordinary text, never as that token.
+        """
         if self._fast is not None:
             return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]
-        return list(self.backend(list(texts), add_special_tokens=False, verbose=False)["input_ids"])
-
-    def save(self, path: Path) -> None:
-        """Write the tokenizer as one ``tokenizer.json`` (needs a ``tokenizers`` backend)."""
-        if self._fast is None:
-            raise TypeError(f"{self.name} has no tokenizers backend to save as tokenizer.json")
-        self._fast.save(str(path))
+        encoded = self.backend(list(texts), add_special_tokens=False, split_special_tokens=True, verbose=False)
+        return list(encoded["input_ids"])
 
 
 def _known_eos(vocab: dict[str, int], name: str, key: str) -> str:

@@ -231,3 +231,14 @@ def test_a_text_file_in_another_encoding_is_named(tmp_path):
     # Nothing was tokenized yet, so the same output starts again with the other encoding, without overwrite=true.
     prepare_corpus(str(tmp_path / "latin.txt"), tmp_path / "out", BpeTokenizer(300), encoding="latin-1")
     assert decode_documents(tmp_path / "out", tmp_path / "out" / "tokenizer.json") == ["café"]
+
+
+def test_the_end_token_written_in_a_document_is_text(tmp_path, stdlib_bpe):
+    text = 'SEPARATOR = "<|endoftext|>"  # GPT-2\'s end of document\n'
+    (tmp_path / "gpt2_notes.py").write_text(text)
+    out = tmp_path / "out"
+    manifest = prepare_corpus(str(tmp_path / "gpt2_notes.py"), out, LocalTokenizer(str(stdlib_bpe / "tokenizer.json")))
+    stream = read_stream(out)
+    assert stream.count(manifest.eos_id) == 1  # only the EOS that ends the document
+    assert stream[-1] == manifest.eos_id
+    assert decode_documents(out, stdlib_bpe / "tokenizer.json") == [text]
