@@ -6,8 +6,10 @@ import json
 import pickle
 from collections import Counter
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_trainopt.data import (
     Manifest,
@@ -187,3 +189,46 @@ def test_a_sample_spanning_shards_reads_both(prepared):
     stream = read_stream(prepared)
     assert ds.tokens(boundary - 5, boundary + 6).tolist() == stream[boundary - 5 : boundary + 6]
     assert ds[0][0].tolist() == stream[boundary - 5 : boundary + 5]
+
+
+class _Recorder(pl.LightningModule):
+    """Records the sequences of every training batch; learns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return (self.weight * batch[0].float().mean()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(prepared, ckpt_dir, ckpt_path=None) -> _Recorder:
+    module = _Recorder()
+    saving = ckpt_path is None
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=saving,
+        callbacks=[ModelCheckpoint(ckpt_dir, "{step}", every_n_train_steps=1, save_top_k=-1)] if saving else [],
+    )
+    trainer.fit(module, datamodule=TokenizedDataModule(str(prepared), seq_len=SEQ, batch_size=4), ckpt_path=ckpt_path)
+    return module
+
+
+def test_a_fit_resumed_mid_epoch_reads_what_the_uninterrupted_fit_read(prepared, tmp_path):
+    whole = _fit(prepared, tmp_path).seen
+    resumed = _fit(prepared, tmp_path, ckpt_path=tmp_path / "step=3.ckpt").seen
+    assert len(whole) == 8
+    assert len(resumed) == 5
+    for x, expected in zip(resumed, whole[3:], strict=True):
+        assert torch.equal(x, expected)
