@@ -19,6 +19,7 @@ from lightning_trainopt.precision.plugins import FP16_FSDP2_FIX, FP16_FSDP2_REAS
 from lightning_trainopt.strategies.spec import StrategySpec, parse_strategy
 
 __all__ = [
+    "FP8_MIN_CAPABILITY",
     "PreflightInput",
     "RULES",
     "Requirement",
@@ -79,6 +80,9 @@ class PreflightInput:
         world_size: processes in the job (for the NVMe size estimate).
         precision_preset: the precision preset's name (``bf16``), for messages.
         logger_targets: ``(name, _target_)`` of each configured logger.
+        fp8_backend: ``torchao`` (``precision=fp8``) or ``transformer_engine`` (``fp8_te``); ``None`` without FP8.
+        fp8_emulate: ``precision.emulate`` (``None``: emulate on CPU only).
+        transforms_model: the preset changes the model before the strategy wraps it (FP8, ``keep_fp32``).
     """
 
     strategy: dict[str, Any] | None = None
@@ -90,6 +94,9 @@ class PreflightInput:
     world_size: int = 1
     precision_preset: str | None = None
     logger_targets: tuple[tuple[str, str], ...] = ()
+    fp8_backend: str | None = None
+    fp8_emulate: bool | None = None
+    transforms_model: bool = False
 
     @functools.cached_property
     def spec(self) -> StrategySpec:
@@ -126,6 +133,21 @@ class PreflightInput:
 
         return not torch.cuda.is_available()
 
+    def gpu(self) -> tuple[str, tuple[int, int]] | None:
+        """The first visible CUDA device's name and compute capability, ``None`` on CPU."""
+        if self.on_cpu():
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability(0)
+        return torch.cuda.get_device_name(0), (int(major), int(minor))
+
+    def real_fp8_gemms(self) -> bool:
+        """FP8 GEMMs run on the GPU's tensor cores (not torchao's fp32 emulation)."""
+        return self.fp8_backend is not None and not self.on_cpu() and not self.fp8_emulate
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -146,8 +168,23 @@ def _is_8bit(target: str | None) -> bool:
     return "bitsandbytes" in target or "8bit" in target.lower() or "torchao" in target
 
 
-def _fp8(p: PreflightInput) -> bool:
-    return p.precision.startswith("transformer-engine") or p.precision == "fp8"
+def _lightning_te(p: PreflightInput) -> bool:
+    return p.precision.startswith("transformer-engine")
+
+
+#: FP8 tensor cores: Ada (8.9: L4, L40S), Hopper (9.0: H100, H200), Blackwell (10.0: B200).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def _gpu_below_fp8(p: PreflightInput) -> bool:
+    found = p.gpu() if p.real_fp8_gemms() else None
+    return found is not None and found[1] < FP8_MIN_CAPABILITY
+
+
+def _gpu_keys(p: PreflightInput) -> dict[str, Any]:
+    found = p.gpu()
+    gpu = "none" if found is None else f"{found[0]} (compute capability {found[1][0]}.{found[1][1]})"
+    return {"precision": p.precision_preset, "gpu": gpu}
 
 
 def _ds_optimizer_block(p: PreflightInput) -> bool:
@@ -156,12 +193,38 @@ def _ds_optimizer_block(p: PreflightInput) -> bool:
 
 RULES: tuple[Rule, ...] = (
     Rule(
-        "FP8 + DeepSpeed or FSDP",
+        "Lightning's transformer-engine precision + DeepSpeed or FSDP",
         "Lightning runs one precision plugin per strategy: DeepSpeedPrecision and FSDP/ModelParallel precision "
         "reject transformer-engine FP8 (Lightning #18820, #18679).",
-        "use FP8 with ddp (+strategy=ddp), or bf16 with the sharded preset.",
-        lambda p: _fp8(p) and (p.is_deepspeed or p.is_fsdp),
+        "use precision=fp8 (torchao) or precision=fp8_te (Transformer Engine): they convert the model before the "
+        "DeepSpeed engine or fully_shard wraps it.",
+        lambda p: _lightning_te(p) and (p.is_deepspeed or p.is_fsdp),
         lambda p: {"precision": p.precision, "strategy": p.preset},
+    ),
+    Rule(
+        "fp8_te on CPU",
+        "Transformer Engine runs only on NVIDIA GPUs: its FP8 kernels are CUDA, and it cannot be installed without "
+        "CUDA.",
+        "use precision=fp8 (torchao), which emulates the FP8 GEMMs in fp32 on CPU.",
+        lambda p: p.fp8_backend == "transformer_engine" and p.on_cpu(),
+        lambda p: {"precision": p.precision_preset, "trainer.accelerator": "cpu"},
+    ),
+    Rule(
+        "FP8 on a GPU below compute capability 8.9",
+        "FP8 GEMMs need FP8 tensor cores, which exist from compute capability 8.9 (L4, L40S, H100, H200, B200); "
+        "torch._scaled_mm and Transformer Engine refuse older GPUs.",
+        "use precision=bf16 on this GPU (or precision=fp8 precision.emulate=true to check FP8 numerics, slowly).",
+        _gpu_below_fp8,
+        _gpu_keys,
+        machine_specific=True,
+    ),
+    Rule(
+        "FP8 or keep_fp32 + FSDP1",
+        "Lightning's FSDPStrategy (FSDP1) needs its own FSDPPrecision plugin, which cannot convert layers to FP8 "
+        "or keep modules in fp32.",
+        "use +strategy=fsdp (FSDP2 through ModelParallelStrategy), which takes these presets.",
+        lambda p: p.transforms_model and p.spec.fsdp_version == 1,
+        lambda p: {"precision": p.precision_preset, "strategy": p.preset},
     ),
     Rule(
         "8-bit optimizer + offload",
@@ -275,8 +338,12 @@ def required_packages(p: PreflightInput) -> list[Requirement]:
         needs.append(Requirement(f"optimizer={p.optimizer}", "torchao", "torchao"))
     if p.is_deepspeed:
         needs.append(Requirement(f"+strategy={p.preset}", "deepspeed", "deepspeed"))
-    if p.precision.startswith("transformer-engine"):
+    # fp8_te on a CPU is refused by a rule instead: installing Transformer Engine would not help there.
+    te = p.fp8_backend == "transformer_engine" and not p.on_cpu()
+    if p.precision.startswith("transformer-engine") or te:
         needs.append(Requirement(f"precision={p.precision_preset or p.precision}", "transformer_engine", "gpu"))
+    if p.fp8_backend == "torchao":
+        needs.append(Requirement(f"precision={p.precision_preset}", "torchao", "torchao"))
     for name, logger in p.logger_targets:
         if logger.endswith("TensorBoardLogger"):
             needs.append(Requirement(f"logger={name}", "tensorboard", "tensorboard", alternatives=("tensorboardX",)))
@@ -441,9 +508,19 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
         world_size=world_size,
         precision_preset=precision.get("name"),
         logger_targets=logger_targets,
+        fp8_backend=precision.get("backend"),
+        fp8_emulate=precision.get("emulate"),
+        transforms_model=_transforms_model(precision),
     )
     check_packages(required_packages(p))
     return preflight(p)
+
+
+def _transforms_model(precision: dict[str, Any]) -> bool:
+    """The precision node changes the model (an FP8 preset, or ``keep_fp32`` under a non-fp32 preset)."""
+    if precision.get("backend") is not None:
+        return True
+    return bool(precision.get("keep_fp32")) and precision.get("trainer_precision") != "32-true"
 
 
 def _config_params(cfg: Any) -> int | None:

@@ -25,6 +25,7 @@ __all__ = [
     "is_compiled",
     "memory_history_supported",
     "nvml_device_index",
+    "reparametrized",
     "start_memory_history",
     "stop_memory_history",
 ]
@@ -260,3 +261,24 @@ def extension_build_dir(name: str) -> str:
     if get is not None:
         return str(get(name, False))
     return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(), name)
+
+
+@contextlib.contextmanager
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run code with some of ``module``'s parameters replaced by other tensors (``torch.func.functional_call``'s
+    private context, ``torch.nn.utils.stateless._reparametrize_module``), without calling the module: its hooks do
+    not run again. Names are relative to ``module``; the originals are back afterwards, also on an error.
+
+    Raises:
+        RuntimeError: this torch no longer has the private context.
+    """
+    from torch.nn.utils import stateless
+
+    context = getattr(stateless, "_reparametrize_module", None)
+    if context is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.nn.utils.stateless._reparametrize_module, which fp32-kept modules "
+            "with half-precision parameters need; run them under a mixed preset whose parameters stay fp32."
+        )
+    with context(module, tensors):
+        yield

@@ -85,7 +85,9 @@ def tensor_leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
     through ``__tensor_flatten__`` into their inner tensors, recursively. Plain tensors and parameters yield themselves.
     """
     flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+    # type(), not isinstance: a Parameter made from a subclass (torchao's FP8 weight under FSDP2) is an instance of
+    # Parameter but keeps the subclass type, and has no storage of its own either.
+    if flatten is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
         names, _ = flatten()
         for name in names:
             inner = getattr(t, name)

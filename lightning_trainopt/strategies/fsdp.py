@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_trainopt.core.checkpoint_files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.precision.transform_plugins import ModelTransforms
 from lightning_trainopt.strategies.spec import StrategySpec, fsdp_spec
 
 __all__ = ["TrainOptFSDPStrategy", "apply_fully_shard", "block_classes"]
@@ -192,6 +193,10 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         already = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        if not already and isinstance(self.precision_plugin, ModelTransforms):
+            # FP8 layers must exist before fully_shard: torchao's FP8 weight subclass is what FSDP2 all-gathers in
+            # FP8 (torchtitan's order). Lightning's own call in super().setup() then finds the model converted.
+            self.precision_plugin.transform(self.model)
         units = self._units(self.model)
         n = apply_fully_shard(
             self.model,
