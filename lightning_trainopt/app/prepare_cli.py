@@ -73,7 +73,7 @@ def _required(cfg: DictConfig, key: str, example: str) -> Any:
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
-def summary(manifest: Manifest, output: str, up_to_date: bool) -> str:
+def _summary(manifest: Manifest, output: str, up_to_date: bool) -> str:
     """What was prepared, and the train.py command that trains on it."""
     state = "already prepared, nothing to do" if up_to_date else "prepared"
     return (
@@ -108,7 +108,7 @@ def prepare(cfg: DictConfig) -> Manifest:
     }
     with progress:
         manifest = prepare_corpus(inputs, output, tokenizer, progress=progress, **options)
-    print(summary(manifest, str(Path(output)), up_to_date=progress.phases == 0), file=sys.stdout)
+    print(_summary(manifest, str(Path(output)), up_to_date=progress.phases == 0), file=sys.stdout)
     return manifest
 
 

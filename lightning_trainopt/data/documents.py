@@ -48,7 +48,7 @@ def _format_of(path: Path, fmt: str) -> Format:
     return _BY_SUFFIX.get(suffixes[-1], "text") if suffixes else "text"
 
 
-def _expand(pattern: str, key: str) -> list[Path]:
+def _expand(pattern: str, key: str, skip: Path | None) -> list[Path]:
     where = Path(pattern).expanduser()
     if _GLOB_CHARS & set(pattern):
         # glob leaves out hidden files and folders itself.
@@ -58,6 +58,8 @@ def _expand(pattern: str, key: str) -> list[Path]:
         files = sorted(p for p in under if not any(s.startswith(".") for s in p.relative_to(where).parts))
     else:
         files = [where] if where.is_file() else []
+    if skip is not None:
+        files = [p for p in files if not p.resolve().is_relative_to(skip)]
     if not files:
         raise ConfigError(
             key,
@@ -68,7 +70,9 @@ def _expand(pattern: str, key: str) -> list[Path]:
     return files
 
 
-def resolve_inputs(patterns: str | Sequence[str], fmt: str = "auto", key: str = "input") -> list[InputFile]:
+def resolve_inputs(
+    patterns: str | Sequence[str], fmt: str = "auto", key: str = "input", exclude: Path | None = None
+) -> list[InputFile]:
     """The input files, in order: each pattern's files sorted by path, duplicates dropped.
 
     Args:
@@ -77,9 +81,10 @@ def resolve_inputs(patterns: str | Sequence[str], fmt: str = "auto", key: str = 
         fmt: ``auto`` (by extension: ``.jsonl``/``.json``/``.ndjson`` -> json, ``.parquet`` -> parquet, compressed
             ``.gz``/``.bz2``/``.xz``/``.zst`` JSON too; anything else -> text), or the format of every file.
         key: the config key of ``patterns``, for errors.
+        exclude: a directory whose files are never input (``prepare``'s output).
 
     Raises:
-        ConfigError: a pattern matches no file, or ``fmt`` is unknown.
+        ConfigError: a pattern matches no file (outside ``exclude``), or ``fmt`` is unknown.
     """
     if fmt not in FORMATS:
         raise ConfigError("format", fmt, f"use one of {', '.join(FORMATS)}.")
@@ -87,10 +92,11 @@ def resolve_inputs(patterns: str | Sequence[str], fmt: str = "auto", key: str = 
         patterns = [patterns]
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise ConfigError(key, patterns, f"give a file, directory or glob, e.g. {key}='corpus/*.txt'.")
+    skip = exclude.expanduser().resolve() if exclude is not None else None
     seen: set[Path] = set()
     out: list[InputFile] = []
     for pattern in patterns:
-        for path in _expand(pattern, key):
+        for path in _expand(pattern, key, skip):
             resolved = path.resolve()
             if resolved in seen:
                 continue

@@ -171,11 +171,12 @@ def prepare_corpus(
         ConfigError: a bad input or value, or an output directory prepared otherwise (without ``overwrite``).
     """
     _check_values(shard_tokens, batch_documents, encoding, overwrite)
-    files = resolve_inputs(input, format)
+    out = Path(output).expanduser()
+    # The output may lie under an input directory (input=corpus/ output=corpus/tokens): its files are never input.
+    files = resolve_inputs(input, format, exclude=out)
     check_text_column(files, text_column)
     config = _settings(files, text_column, encoding, shard_tokens, tokenizer.identity())
     fingerprint = _fingerprint(config)
-    out = Path(output).expanduser()
     manifest = _existing_manifest(out)
     if manifest is not None and manifest.fingerprint != fingerprint:
         # A run stopped before its first shard (a file that did not decode, say) has nothing worth keeping.

@@ -208,6 +208,15 @@ def test_an_output_directory_of_other_files_is_refused(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
 
 
+def test_an_output_inside_the_input_directory_is_never_read(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    manifest = prepare_corpus(str(tmp_path), tmp_path / "tokens", BpeTokenizer(300))
+    assert [f["path"] for f in manifest.config["input"]] == [str((tmp_path / "a.txt").resolve())]
+    recorder = _Recorder()
+    prepare_corpus(str(tmp_path), tmp_path / "tokens", BpeTokenizer(300), progress=recorder)
+    assert recorder.phases == []  # its own shards are not new input
+
+
 def test_a_tokenizer_without_a_known_end_token_needs_one_named(tmp_path, stdlib_bpe):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
