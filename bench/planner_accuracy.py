@@ -1,7 +1,9 @@
 """Planner accuracy: predicted vs measured bytes.
 
     python bench/planner_accuracy.py activations      # saved-for-backward bytes, CPU, seconds
+    python bench/planner_accuracy.py activations --models  # the same for a Hugging Face Llama config and a user module
     python bench/planner_accuracy.py states           # per-rank model states, 2 CPU processes x ddp/zero1/zero2/zero3
+    python bench/planner_accuracy.py states --models  # the same for a Hugging Face Llama config and a user module
     python bench/planner_accuracy.py gpu              # gpt_1b bf16 peak vs torch.cuda.max_memory_allocated (CUDA)
 
 Each mode prints a table (predicted, measured, error) and exits non-zero when a row misses its target
@@ -79,6 +81,75 @@ def predict_activations(cfg: GPTConfig, precision: str, policy_name: str, micro_
     return est.bytes("activations")
 
 
+def measure_module_activations(model: str, precision: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """Saved-for-backward bytes of one real CPU training step of a module planned from itself (``hf_llama``,
+    ``user``: see ``planner_states``), with the real techniques."""
+    from bench.planner_states import build_module
+    from lightning_trainopt.app.plan_model import token_dict_batch, training_loss
+    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.techniques.compression import Int8Compressor
+
+    _, dtype, autocast = PRECISIONS[precision]
+    torch.manual_seed(0)
+    module = build_module(model)
+    module.configure_model()
+    module = module.to(dtype)
+    policy = POLICIES[policy_name]
+    if policy.checkpoint_every:
+        apply_activation_checkpointing(module, CheckpointPolicy(every_k=policy.checkpoint_every))
+    x, y = (torch.randint(0, 256, (micro_batch, seq_len)) for _ in range(2))
+    # The batch each trains on: our data's (x, y) for the Hugging Face model, UserLM's dict of whole rows.
+    batch: Any = (x, y)
+    if model != "hf_llama":
+        batch = {**token_dict_batch(micro_batch, seq_len), "input_ids": x, "labels": y}
+    compressor = Int8Compressor() if policy.compress_bits else None
+    with (
+        SavedTensorsCounter(params=module.parameters()) as counter,
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
+        if compressor is not None:
+            with transform_saved_tensors(compressor):
+                training_loss(module, batch)
+        else:
+            training_loss(module, batch)
+    return counter.report().activation_bytes
+
+
+def predict_module_activations(profile: Any, precision: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """The planner's activation bytes of a profile read from the module (``planner_states.profile``)."""
+    tp, _, autocast = PRECISIONS[precision]
+    compute_bytes = 4 if tp == "32-true" else 2
+    est = profile.activations(micro_batch, seq_len, compute_bytes, autocast, POLICIES[policy_name], "sdpa")
+    return est.bytes("activations")
+
+
+def module_activation_rows(quick: bool = False) -> list[dict[str, Any]]:
+    from bench.planner_states import profile
+
+    shapes = [(2, 64)] if quick else [(1, 64), (4, 128), (2, 512)]
+    rows = []
+    for model in ("hf_llama", "user"):
+        planned = profile(model)
+        for precision in PRECISIONS:
+            for pol in POLICIES:
+                for mb, t in shapes:
+                    pred = predict_module_activations(planned, precision, pol, mb, t)
+                    meas = measure_module_activations(model, precision, pol, mb, t)
+                    rows.append(
+                        {
+                            "model": model,
+                            "precision": precision,
+                            "activations": pol,
+                            "micro_batch": mb,
+                            "seq_len": t,
+                            "predicted": pred,
+                            "measured": meas,
+                            "error": pred / meas - 1,
+                        }
+                    )
+    return rows
+
+
 def activation_rows(quick: bool = False) -> list[dict[str, Any]]:
     shapes = [(2, 64), (8, 128)] if quick else [(1, 64), (4, 128), (8, 256), (2, 512)]
     rows = []
@@ -107,14 +178,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["activations", "states", "gpu"])
     parser.add_argument("--quick", action="store_true", help="fewer rows (the test suite's setting)")
+    parser.add_argument(
+        "--models", action="store_true", help="a Hugging Face Llama config and a user module instead of our model"
+    )
     args = parser.parse_args()
     if args.mode == "activations":
-        rows = activation_rows(args.quick)
+        rows = module_activation_rows(args.quick) if args.models else activation_rows(args.quick)
         _print(rows, ["model", "precision", "activations", "micro_batch", "seq_len"], 0.10)
     elif args.mode == "states":
-        from bench.planner_states import states_rows  # noqa: PLC0415
+        from bench.planner_states import model_states_rows, states_rows  # noqa: PLC0415
 
-        _print(states_rows(), ["strategy", "precision", "category"], 0.05)
+        rows = model_states_rows() if args.models else states_rows()
+        _print(rows, ["model", "strategy", "precision", "category"], 0.05)
     else:
         from bench.planner_gpu import gpu_rows  # noqa: PLC0415
 
