@@ -92,16 +92,25 @@ def _with_app_optimizers(module: pl.LightningModule, cfg: DictConfig) -> pl.Ligh
 
 
 def _compiled_children(module: pl.LightningModule) -> pl.LightningModule:
-    """``torch.compile`` each parameter-holding child of a user's module, in place, once its model is built.
+    """``torch.compile`` each parameter-holding child of a user's module (the modules of a ``ModuleList`` child), in
+    place, once its model is built.
 
     In place (``nn.Module.compile``), so parameter names, the class and ``self.log`` in the LightningModule's hooks
     stay as they were; after ``configure_model``, so a model built there is compiled too.
     """
     own = module.configure_model
 
+    def units(parent: torch.nn.Module) -> Any:
+        for child in parent.children():
+            # A container has no forward of its own to compile: its modules are called one by one.
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                yield from units(child)
+            else:
+                yield child
+
     def configure_then_compile(self: pl.LightningModule) -> None:
         own()
-        for child in self.children():
+        for child in units(self):
             if any(True for _ in child.parameters()) and getattr(child, "_compiled_call_impl", None) is None:
                 child.compile()
 

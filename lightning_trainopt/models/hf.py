@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from typing_extensions import override
 
+from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
 from lightning_trainopt.models.lit_lm import LitLanguageModel
 from lightning_trainopt.models.optimization import OptimizerFactory
@@ -16,6 +19,62 @@ from lightning_trainopt.models.optimization import OptimizerFactory
 __all__ = ["LitCausalLM"]
 
 IGNORE_INDEX = -100  # Hugging Face's (and torch's cross_entropy's) label of a position without a target
+
+
+def _zero3_building(module: LitLanguageModel) -> bool:
+    """The module is being built inside DeepSpeed ZeRO-3's ``zero.Init`` (its strategy shards parameters at build)."""
+    trainer = module._trainer
+    return trainer is not None and bool(getattr(trainer.strategy, "zero_stage_3", False))
+
+
+def _saved_tensors(weights: Path) -> dict[str, Path]:
+    """``{tensor name: file}`` of a ``save_pretrained`` directory (one file, or shards listed in an index)."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (weights / index).is_file():
+            weight_map = json.loads((weights / index).read_text())["weight_map"]
+            return {name: weights / file for name, file in weight_map.items()}
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (weights / single).is_file():
+            path = weights / single
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt") as f:
+                    return dict.fromkeys(f.keys(), path)
+            return dict.fromkeys(torch.load(path, map_location="meta", weights_only=True), path)
+    return {}
+
+
+def _read_tensor(path: Path, name: str) -> torch.Tensor:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(name)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)[name]
+
+
+def _load_partitioned(model: torch.nn.Module, weights: Path) -> None:
+    """Copy the saved weights into ZeRO-3 partitioned parameters, one parameter gathered at a time (rank 0's copy is
+    re-partitioned to all ranks), so no rank ever holds the whole model.
+
+    Raises:
+        ConfigError: the directory lacks a parameter of the model (a checkpoint of another architecture).
+    """
+    import deepspeed
+
+    files = _saved_tensors(weights)
+    missing = [name for name, _ in model.named_parameters() if name not in files]
+    if missing:
+        raise ConfigError(
+            "model.pretrained",
+            str(weights),
+            f"the saved weights lack {len(missing)} parameter(s) of the model, e.g. {missing[0]}; point it at a "
+            "checkpoint of this architecture (saved by save_pretrained).",
+        )
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            param.copy_(_read_tensor(files[name], name).to(param.dtype))
 
 
 class LitCausalLM(LitLanguageModel):
@@ -70,13 +129,19 @@ class LitCausalLM(LitLanguageModel):
         auto = transformers.AutoModelForCausalLM
         attn = self.spec.attn_implementation
         weights = self.spec.weights_dir()
+        # On the meta device (a planner's copy) there is nothing to load; under ZeRO-3 the model is built partitioned
+        # and the weights are copied in one gathered parameter at a time (from_pretrained would write whole tensors
+        # into the empty placeholders).
+        on_meta = torch.empty(0).device.type == "meta"
         with self.build_dtype():
-            if weights is None:
+            if weights is None or on_meta or _zero3_building(self):
                 model = auto.from_config(self.hf_config, attn_implementation=attn)
             else:
                 model = auto.from_pretrained(
                     str(weights), config=self.hf_config, attn_implementation=attn, local_files_only=True
                 )
+        if weights is not None and not on_meta and _zero3_building(self):
+            _load_partitioned(model, weights)
         model.config.use_cache = False
         if self.compile_model:
             model.compile()

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from lightning_trainopt.exceptions import ConfigError  # noqa: E402
 from lightning_trainopt.models import HFModelConfig, LitCausalLM  # noqa: E402
 from tests.helpers.hf_files import write_config, write_pretrained  # noqa: E402
+from tests.helpers.runif import RunIf  # noqa: E402
 
 
 @pytest.fixture
@@ -125,3 +126,34 @@ def test_the_hf_model_is_the_module_s_model_so_its_init_can_be_rerun(llama_dir):
     assert type(module.model).__name__ == "LlamaForCausalLM"
     assert hasattr(module.model, "_init_weights")
     assert not any(name.startswith("model._orig_mod") for name, _ in module.named_parameters())
+
+
+@RunIf(deepspeed=True)
+def test_pretrained_weights_load_into_zero3_partitions_one_parameter_at_a_time(tmp_path, monkeypatch):
+    # Under ZeRO-3 (a plain DeepSpeed Trainer: LitCausalLM builds inside zero.Init), from_pretrained would write whole
+    # tensors into empty placeholders; the weights are copied in one gathered parameter at a time instead.
+    import socket
+    from types import SimpleNamespace
+
+    import deepspeed
+    import torch.distributed as dist
+
+    saved = write_pretrained("gpt2", tmp_path / "weights")  # tied lm_head: loaded once, through the embedding
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    try:
+        module = LitCausalLM(HFModelConfig(pretrained=str(tmp_path / "weights")))
+        module._trainer = SimpleNamespace(strategy=SimpleNamespace(zero_stage_3=True), precision="32-true")
+        with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_batch_size": 1}):
+            module.configure_model()
+        for (name, p), q in zip(module.model.named_parameters(), saved.parameters(), strict=True):
+            assert hasattr(p, "ds_id"), name
+            with deepspeed.zero.GatheredParameters([p]):
+                assert torch.equal(p, q), name
+    finally:
+        dist.destroy_process_group()
