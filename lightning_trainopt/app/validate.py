@@ -325,7 +325,7 @@ def _check_hf(data: DictConfig, model: DictConfig, accelerator: str, strategy: D
     hf_config = spec.load()
     if spec.weights_dir() is not None and strategy is not None:
         node = OmegaConf.to_container(strategy, resolve=True)
-        zero = parse_strategy(node if isinstance(node, dict) else None)
+        zero = parse_strategy({str(k): v for k, v in node.items()} if isinstance(node, dict) else None)
         if zero.zero_stage == 3:
             raise IncompatibleConfigError(
                 {"model.pretrained": spec.pretrained, "strategy": zero.name},
