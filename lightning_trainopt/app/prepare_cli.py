@@ -80,7 +80,7 @@ def _summary(manifest: Manifest, output: str, up_to_date: bool) -> str:
         f"{output}: {state}: {manifest.tokens:,} tokens in {manifest.documents:,} documents "
         f"({manifest.skipped_documents:,} empty skipped), {len(manifest.shards)} shard(s) of {manifest.dtype}; "
         f"vocabulary {manifest.vocab_size:,}, EOS id {manifest.eos_id} ({manifest.eos_token}).\n"
-        f"train on it: python train.py data=tokenized data.path={output} model.vocab_size={manifest.vocab_size}"
+        f"train on it: python train.py data=tokenized data.path={output}"
     )
 
 

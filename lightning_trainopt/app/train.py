@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
 
 from lightning_trainopt.app.console import StepsProgressBar, model_line, quiet_console
+from lightning_trainopt.app.data_vocab import apply_manifest_vocab
 from lightning_trainopt.app.model_factory import (
     build_lightning_module,
     count_params,
@@ -171,6 +172,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     quiet_console(on_cpu=accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
+    apply_manifest_vocab(cfg)
     validate_config(cfg)
     from lightning_trainopt.app.preflight import check_vocab, preflight
 

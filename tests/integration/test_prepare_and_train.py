@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 
+from lightning_trainopt.core.model_shape import GPTConfig
 from tests.helpers.compose import REPO_ROOT
 from tests.helpers.prepared import STDLIB, read_stream
 
@@ -32,13 +33,12 @@ def test_prepare_then_train_on_the_shards(tmp_path):
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["vocab_size"] == 512
     assert manifest["tokens"] == len(read_stream(data))
-    assert f"python train.py data=tokenized data.path={data} model.vocab_size=512" in prepared.stdout
+    assert f"python train.py data=tokenized data.path={data}" in prepared.stdout
 
     _run(
         "train.py",
         "data=tokenized",
         f"data.path={data}",
-        "model.vocab_size=512",
         "trainer.max_steps=5",
         "model.n_layers=2",
         "model.d_model=64",
@@ -58,6 +58,9 @@ def test_prepare_then_train_on_the_shards(tmp_path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "ok"
     assert metrics["global_step"] == 5
+    # The preset's byte-level vocabulary (256) gave way to the manifest's 512 (no model.vocab_size given).
+    shape = {"n_layers": 2, "d_model": 64, "n_heads": 2, "ffn_hidden": 128}
+    assert metrics["n_params"] == GPTConfig(vocab_size=512, **shape).n_params() > GPTConfig(**shape).n_params()
     assert metrics["seq_len"] == 32
     assert metrics["tokens_seen"] == 5 * 8 * 32
     rows = list(csv.DictReader((next(run_dir.rglob("metrics.csv"))).open()))
