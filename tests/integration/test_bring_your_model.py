@@ -75,6 +75,21 @@ def test_gpt2_config_file_with_overrides_int8_and_bf16_on_bytes(tmp_path):
     assert math.isfinite(metrics["val_loss"])
 
 
+def test_compile_trains_the_hf_model_as_uncompiled(tmp_path):
+    write_config("llama", tmp_path / "llama")
+    runs = [
+        train(
+            compose_config(
+                ["model=hf", f"model.config={tmp_path / 'llama'}", f"compile={flag}", "callbacks=none", *BYTES, *SHORT],
+                tmp_path / f"run_{flag}",
+            )
+        )
+        for flag in ("false", "true")
+    ]
+    assert runs[1]["status"] == "ok"
+    assert runs[1]["val_loss"] == pytest.approx(runs[0]["val_loss"], rel=1e-4)
+
+
 def test_user_module_and_datamodule_with_the_default_callbacks_and_micro_batch_finder(tmp_path):
     cfg = compose_config(
         [

@@ -157,3 +157,17 @@ def test_pretrained_weights_load_into_zero3_partitions_one_parameter_at_a_time(t
                 assert torch.equal(p, q), name
     finally:
         dist.destroy_process_group()
+
+
+@RunIf(deepspeed=True)
+def test_zero2_bf16_builds_the_hf_model_in_bf16(llama_dir):
+    # The DeepSpeed engine casts it to bf16 anyway: an fp32 build would hold 4 B/param on the device while building.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    module = LitCausalLM(HFModelConfig(config=str(llama_dir)))
+    module._trainer = SimpleNamespace(strategy=DeepSpeedStrategy(stage=2), precision="bf16-mixed")
+    module.configure_model()
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
