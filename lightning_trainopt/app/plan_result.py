@@ -81,6 +81,7 @@ class PlanResult:
                 "seq_len_default": bool(self.seq_len_default_of),
                 "seq_len_note": self.seq_len_note or None,
                 "textbook_model_state_bytes": self.textbook,
+                "model": _model_dict(self.estimate.inputs),
             }
         )
         if self.candidates or self.n_enumerated:
@@ -102,6 +103,20 @@ class PlanResult:
 
 
 _STATE_CATEGORIES = ("params", "grads", "optimizer_states")
+
+
+def _model_dict(inputs: PlanInputs) -> dict[str, Any]:
+    """What the plan knows about the model and where it comes from (``analytic``: our transformer's formulas;
+    ``measured``: read from the module built on the meta device, activations and FLOPs measured)."""
+    m = inputs.profile
+    return {
+        "name": m.name,
+        "source": "measured" if m.measured else "analytic",
+        "block_class": m.block_class or None,
+        "n_blocks": m.n_blocks,
+        "tied_params": m.tied_numel,
+        "max_seq_len": m.max_seq_len,
+    }
 
 
 def _step_time(e: PlanEstimate) -> dict[str, Any] | None:

@@ -128,6 +128,7 @@ def gpt_profile(cfg: GPTConfig) -> ModelProfile:
         flops=flops,
         max_seq_len=cfg.max_seq_len,
         tied_numel=cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0,
+        block_class="Block",
     )
 
 

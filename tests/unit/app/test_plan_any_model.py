@@ -138,6 +138,14 @@ def test_plan_py_model_hf_prints_json_with_the_module_s_counts(tmp_path, capsys)
     )
     assert out["model_flops_per_token"] > 6 * (out["n_params"] - 256 * 32)
     assert out["command"].startswith("python train.py model=hf model.config=")
+    assert out["model"] == {
+        "name": "llama",
+        "source": "measured",
+        "block_class": "LlamaDecoderLayer",
+        "n_blocks": 2,
+        "tied_params": 0,
+        "max_seq_len": 128,
+    }
 
 
 def test_plan_searches_a_user_module(tmp_path):
@@ -171,3 +179,17 @@ def test_plan_searches_a_user_module(tmp_path):
             assert c.estimate.memory.bytes("activations") < kept.estimate.memory.bytes("activations")
             compared += 1
     assert compared
+
+
+def test_our_model_is_planned_analytically(tmp_path, capsys):
+    overrides = ["model=gpt_tiny", "hardware=cpu", "data.seq_len=64", "plan.format=json"]
+    plan_task(compose_config(overrides, tmp_path, name="plan"))
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == {
+        "name": "gpt_tiny",
+        "source": "analytic",
+        "block_class": "Block",
+        "n_blocks": 4,
+        "tied_params": 256 * 128,
+        "max_seq_len": 512,
+    }
