@@ -108,9 +108,11 @@ def seq_len_note(inputs: PlanInputs, default_of: str) -> str:
     m = inputs.profile
     if not default_of or m.max_seq_len is None or inputs.seq_len * _SHORT_SEQ_SHARE >= m.max_seq_len:
         return ""
+    # Our presets say it in model.max_seq_len; a Hugging Face config in max_position_embeddings, a module as it may.
+    where = "its longest sequence" if m.measured else "model.max_seq_len"
     return (
         f"seq_len {inputs.seq_len} is the default of data={default_of}, not a length you set: {m.name} takes up to "
-        f"{m.max_seq_len} tokens (model.max_seq_len), and activation memory and attention FLOPs grow with the "
+        f"{m.max_seq_len} tokens ({where}), and activation memory and attention FLOPs grow with the "
         f"length. To plan the length you will train at, add data.seq_len=<tokens>, e.g. data.seq_len={m.max_seq_len}."
     )
 
