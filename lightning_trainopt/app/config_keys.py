@@ -246,14 +246,16 @@ def root_keys(config_name: str = "train", conf_dir: Path = _CONF_DIR) -> frozens
 
 
 def _config_name(cfg: DictConfig) -> str:
-    """The root config ``cfg`` was composed from: Hydra's job config name, else ``plan`` or ``train`` by its keys."""
+    """The root config ``cfg`` was composed from: ``plan`` when it has a plan node, else Hydra's job config name."""
     from hydra.core.hydra_config import HydraConfig
 
+    if "plan" in cfg:
+        return "plan"  # plan.py's, or a train config the ladder plans (it adds the plan node)
     if HydraConfig.initialized():
         name = HydraConfig.get().job.config_name
         if name:
             return str(name)
-    return "plan" if "plan" in cfg else "train"
+    return "train"
 
 
 def _root_key(key: str, value: Any, known: frozenset[str]) -> Problem:

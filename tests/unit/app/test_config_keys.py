@@ -177,10 +177,12 @@ def test_a_key_its_target_does_not_take_is_refused_with_the_nearest_valid_one(tm
     assert str(err.value) == line
 
 
-def test_plan_py_takes_its_plan_node_and_train_py_does_not(tmp_path):
+def test_plan_py_takes_its_plan_node_and_an_unknown_one_is_refused(tmp_path):
     assert not key_problems(compose_config([], tmp_path, name="plan"))
-    problems = key_problems(compose_config(["+plan.top_k=3"], tmp_path))
-    assert [(key, fix.split(";")[0]) for key, _, fix in problems] == [("plan", "no such top-level key")]
+    # A train config with a plan node is planned (the ladder predicts each rung so).
+    assert not key_problems(compose_config(["+plan.choices={}"], tmp_path))
+    problems = key_problems(compose_config(["+plna.top_k=3"], tmp_path))
+    assert [(key, fix.split(";")[0]) for key, _, fix in problems] == [("plna", "no such top-level key")]
 
 
 def test_every_misspelt_key_is_reported_at_once(tmp_path):
