@@ -11,8 +11,13 @@ import torch
 __all__ = ["lightning_state", "saved_loader_states"]
 
 # Where each strategy keeps the non-tensor Lightning state of a checkpoint directory: DeepSpeed's model-states file of
-# model-parallel rank 0 (Lightning passes it as client state), Lightning's ModelParallelStrategy (our FSDP2) meta file.
-_STATE_FILES = ("checkpoint/mp_rank_00_model_states.pt", "meta.pt")
+# model-parallel rank 0 (Lightning passes it as client state; under ZeRO-3 every data-parallel rank writes its own,
+# rank 0's named zero_pp_rank_0_...), Lightning's ModelParallelStrategy (our FSDP2) meta file.
+_STATE_FILES = (
+    "checkpoint/mp_rank_00_model_states.pt",
+    "checkpoint/zero_pp_rank_0_mp_rank_00_model_states.pt",
+    "meta.pt",
+)
 
 
 def lightning_state(path: str | Path) -> Mapping[str, Any]:

@@ -45,6 +45,7 @@ def RunIf(  # noqa: N802 - reads as a marker, like Lightning's helper
     deepspeed: bool = False,
     bnb: bool = False,
     fp8: bool = False,
+    transformer_engine: bool = False,
     nvml: bool = False,
     torchao: bool = False,
     bf16_cuda: bool = False,
@@ -58,6 +59,7 @@ def RunIf(  # noqa: N802 - reads as a marker, like Lightning's helper
         deepspeed: the ``deepspeed`` package imports.
         bnb: ``bitsandbytes`` is installed.
         fp8: a CUDA device of compute capability >= 8.9 (FP8 tensor cores).
+        transformer_engine: ``transformer_engine`` is installed (the ``gpu`` extra; it builds only with CUDA).
         nvml: NVML initialises (a GPU driver is present and ``nvidia-ml-py`` installed).
         torchao: ``torchao`` is installed.
         bf16_cuda: the CUDA device supports bf16.
@@ -75,6 +77,8 @@ def RunIf(  # noqa: N802 - reads as a marker, like Lightning's helper
         reasons.append("needs torchao")
     if fp8 and not _fp8_capable():
         reasons.append("needs a CUDA GPU with compute capability >= 8.9 (FP8)")
+    if transformer_engine and not _has("transformer_engine"):
+        reasons.append("needs transformer_engine (pip install -e '.[gpu]', CUDA only)")
     if nvml and not _nvml_works():
         reasons.append("needs a working NVML (GPU driver + nvidia-ml-py)")
     if bf16_cuda and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
@@ -91,5 +95,5 @@ def RunIf(  # noqa: N802 - reads as a marker, like Lightning's helper
             reasons.append("not supported on Windows")
     # ``needs_cuda`` rides on the skipif mark (pytest reads only condition and reason); conftest turns it into the
     # ``cuda`` marker, so a GPU machine runs every such test with ``pytest -m cuda`` (bench/gpu_checks.sh).
-    needs_cuda = bool(min_cuda_gpus or fp8 or nvml or bf16_cuda)
+    needs_cuda = bool(min_cuda_gpus or fp8 or transformer_engine or nvml or bf16_cuda)
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "requirements met", needs_cuda=needs_cuda)
