@@ -28,7 +28,8 @@ TRAINER_TARGET = "lightning.pytorch.Trainer"
 _HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
 # Groups whose entries train.py builds one by one (each a `name: {_target_: ...}` node, or null to leave it out).
 _NAMED_GROUPS = {"callbacks": "callback", "activations": "activation technique", "logger": "logger"}
-# Partials the app completes: LitGPT.configure_optimizers calls optimizer(param_groups) and
+# Partials the app completes: models.optimization.configure_optimizers (LitGPT, LitCausalLM, a user module without its
+# own configure_optimizers) calls optimizer(param_groups) and
 # scheduler(optimizer, total_steps=...). (leading positional arguments, keyword arguments)
 _APP_SUPPLIED: dict[str, tuple[int, tuple[str, ...]]] = {"optimizer": (1, ()), "scheduler": (1, ("total_steps",))}
 # Targets whose **kwargs go on to one known callable: their keys must be arguments of that callable (a dotted path,
