@@ -188,3 +188,14 @@ def test_pretrained_weights_under_zero3_are_refused(tmp_path, strategy):
     with pytest.raises(IncompatibleConfigError, match=r"\+strategy=zero2 or \+strategy=fsdp") as err:
         validate_config(compose_config([*overrides, f"+strategy={strategy}"], tmp_path))
     assert err.value.keys == {"model.pretrained": str(tmp_path / "weights"), "strategy": strategy}
+
+
+def test_a_module_whose_vocabulary_the_data_outgrows_is_refused_before_training(tmp_path):
+    from lightning_trainopt.app.train import train
+
+    cfg = compose_config([*MODULE, "+model.vocab_size=100", "logger=none"], tmp_path)
+    with pytest.raises(ConfigError, match="token ids up to 255") as err:
+        train(cfg)
+    assert err.value.key == "model.vocab_size"
+    assert err.value.value == 100
+    assert not (tmp_path / "metrics.json").exists()
