@@ -18,37 +18,9 @@ from lightning_trainopt.core.checkpoint_files import commit_staged, discard_stag
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
 from lightning_trainopt.strategies.spec import StrategySpec, fsdp_spec
+from lightning_trainopt.techniques.blocks import block_classes, own_class
 
 __all__ = ["TrainOptFSDPStrategy", "apply_fully_shard", "block_classes"]
-
-
-def _own_class(module: torch.nn.Module) -> type:
-    """The module's class, before FSDP2 swapped it for ``FSDP<Name>``."""
-    cls = type(module)
-    index = getattr(cls, "_orig_cls_mro_index", None)
-    return cls.__mro__[index] if isinstance(index, int) else cls
-
-
-def block_classes(root: torch.nn.Module) -> list[str]:
-    """The class names of the model's repeated block, the units FSDP2 shards when ``shard_modules`` is not given.
-
-    The classes a Hugging Face model names in ``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``: the blocks
-    that must stay whole) that occur in it; else the class of the ``nn.ModuleList`` of same-class modules that holds
-    the most parameters (a transformer's blocks: ``Block`` of our GPT, ``TransformerEncoderLayer`` of
-    ``nn.TransformerEncoder``); else none.
-    """
-    from lightning_trainopt.techniques.checkpointing import find_block_list
-
-    present = {_own_class(m).__name__ for m in root.modules()}
-    named: list[str] = []
-    for module in root.modules():
-        for name in sorted(getattr(module, "_no_split_modules", None) or ()):
-            if isinstance(name, str) and name in present and name not in named:
-                named.append(name)
-    if named:
-        return named
-    found = find_block_list(root)
-    return [] if found is None else [_own_class(found[1][0]).__name__]
 
 
 @contextlib.contextmanager
@@ -89,7 +61,7 @@ def apply_fully_shard(
     }
     count = 0
     for module in root.modules():
-        if module is not root and _own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
+        if module is not root and own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
             fully_shard(module, **kwargs)
             count += 1
     for child in _top_level_units(root):
@@ -174,7 +146,7 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         """The class names to shard: ``shard_modules``, each present in the model, or the model's repeated block."""
         if self.shard_modules is None:
             return block_classes(model)
-        present = {_own_class(m).__name__ for m in model.modules()}
+        present = {own_class(m).__name__ for m in model.modules()}
         missing = [name for name in self.shard_modules if name not in present]
         if missing:
             found = block_classes(model)

@@ -1,5 +1,6 @@
 """Memory techniques for any ``nn.Module``: checkpointing, offload, 8-bit activations, optimizers, micro-batch."""
 
+from lightning_trainopt.techniques.blocks import block_classes
 from lightning_trainopt.techniques.checkpointing import (
     CheckpointPlan,
     CheckpointPolicy,
@@ -27,6 +28,7 @@ from lightning_trainopt.techniques.micro_batch import (
 from lightning_trainopt.techniques.offload import CpuOffloader
 from lightning_trainopt.techniques.optimizer_states import OptimizerStateReport, optimizer_state_bytes
 from lightning_trainopt.techniques.optimizers import adamw, bitsandbytes_optimizer, torchao_optimizer
+from lightning_trainopt.techniques.regional_compile import compile_blocks
 
 __all__ = [
     "CheckpointPlan",
@@ -39,6 +41,8 @@ __all__ = [
     "adamw",
     "apply_activation_checkpointing",
     "bitsandbytes_optimizer",
+    "block_classes",
+    "compile_blocks",
     "dequantize_blockwise",
     "divisors",
     "find_block_list",
