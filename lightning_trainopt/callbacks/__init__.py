@@ -10,6 +10,7 @@ from lightning_trainopt.callbacks.memory_breakdown import MemoryBreakdown
 from lightning_trainopt.callbacks.memory_snapshot import MemorySnapshot
 from lightning_trainopt.callbacks.micro_batch_finder import MicroBatchFinder
 from lightning_trainopt.callbacks.non_finite_guard import NonFiniteGuard
+from lightning_trainopt.callbacks.precision_report import PrecisionReport
 from lightning_trainopt.callbacks.resumable_checkpoint import ResumableCheckpoint
 from lightning_trainopt.callbacks.speed_monitor import SpeedMonitor
 from lightning_trainopt.callbacks.step_timer import StepTimer
@@ -26,6 +27,7 @@ __all__ = [
     "MemorySnapshot",
     "MicroBatchFinder",
     "NonFiniteGuard",
+    "PrecisionReport",
     "ResumableCheckpoint",
     "SpeedMonitor",
     "StepTimer",

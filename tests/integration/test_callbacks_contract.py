@@ -35,6 +35,7 @@ MIN_KWARGS: dict[str, dict] = {
     # On CPU the finder needs a byte budget (it refuses to guess one).
     "MicroBatchFinder": {"budget_bytes": 200_000_000},
     "NonFiniteGuard": {},
+    "PrecisionReport": {},
     # Checkpoints go to a temporary folder, not the working directory.
     "ResumableCheckpoint": {"dirpath": tempfile.mkdtemp(prefix="contract_ckpt_")},
     "SpeedMonitor": {},
