@@ -88,6 +88,16 @@ def test_fp8_trains_and_resumes_exactly(tmp_path, strategy):
         assert "blocks.0.attn.q_proj.weight" in state
 
 
+@pytest.mark.slow
+@RunIf(deepspeed=True, torchao=True)
+def test_fp8_trains_under_zero2(tmp_path):
+    proc, metrics = _train(tmp_path, "+strategy=zero2", "trainer.max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "14 of 15 linear layers converted" in proc.stdout + proc.stderr
+    assert metrics is not None
+    assert (metrics["status"], metrics["zero_stage"], metrics["global_step"]) == ("ok", 2, 2)
+
+
 def test_fp8_te_on_cpu_is_refused_before_training(tmp_path):
     proc = subprocess.run(
         [sys.executable, "train.py", "precision=fp8_te", "trainer.accelerator=cpu", f"hydra.run.dir={tmp_path}"],
