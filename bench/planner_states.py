@@ -204,23 +204,6 @@ def predict(strategy: str, precision: str, model_name: str = MODEL) -> dict[str,
     }
 
 
-def persistent_param_bytes(strategy: str, precision: str, model_name: str = MODEL) -> int:
-    """Bytes of the parameters ZeRO-3 keeps whole on every rank (``param_persistence_threshold``), which the planner
-    counts gathered beside their partitions in every phase (``persistent small params (gathered)``) and the snapshot
-    before ``optimizer.step()`` does not hold: DeepSpeed's ``step()`` releases them (``_partition_all_parameters``)."""
-    from omegaconf import OmegaConf
-
-    from lightning_trainopt.app.plan_inputs import strategy_layout
-    from lightning_trainopt.core.estimate import param_dtype_bytes
-
-    layout = strategy_layout(OmegaConf.load(ROOT / "conf" / "strategy" / f"{strategy}.yaml"), 2)
-    if layout.zero_stage != 3:
-        return 0
-    tp = str(OmegaConf.load(ROOT / "conf" / "precision" / f"{precision}.yaml").trainer_precision)
-    small = sum(n for g in profile(model_name).param_groups for n in g if n <= layout.param_persistence_threshold)
-    return param_dtype_bytes(tp, layout)[0] * small
-
-
 def states_rows(combos: list[tuple[str, str]] | None = None, model_name: str = MODEL) -> list[dict[str, Any]]:
     rows = []
     if model_name == "hf_llama":

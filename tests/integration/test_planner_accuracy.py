@@ -88,15 +88,12 @@ def test_module_model_states_within_5_percent_on_2_cpu_processes(model, strategy
     states = _load("planner_states")
     rows = {r["category"]: r for r in states.states_rows([(strategy, precision)], model)}
     assert set(rows) == {"params", "grads", "optimizer_states", "total"}
-    # ZeRO-3's persistent parameters: planned gathered beside their partitions all step, released by DeepSpeed's
-    # step() before this snapshot. The tiny Llama's k/v projections (8,192 elements) are under the preset's
-    # threshold, so they weigh here; the params row differs by exactly those bytes, the rest must be within 5%.
-    persistent = states.persistent_param_bytes(strategy, precision, model)
-    assert rows["params"]["predicted"] - rows["params"]["measured"] == persistent
-    for category, r in rows.items():
+    # ZeRO-3's persistent parameters (the tiny Llama's 8,192-element k/v projections are under the preset's
+    # threshold) are gathered through forward and backward and released by DeepSpeed's step(): the snapshot before
+    # the step does not hold them, and the plan counts them as a backward term.
+    for r in rows.values():
         assert r["measured"] > 0
-        if category != "params" or not persistent:
-            assert abs(r["error"]) <= 0.05, r
+        assert abs(r["error"]) <= 0.05, r
 
 
 @pytest.mark.slow

@@ -296,9 +296,13 @@ def _deepspeed(
         Term(
             "params",
             "device",
-            "persistent small params (gathered)",
+            "persistent small params (gathered through forward and backward)",
             h * persistent,
             f"{h} B x {_gb(persistent)} (<= {layout.param_persistence_threshold:,} elements each)",
+            # The coordinator never releases them after a module (``__params_to_release`` skips ``ds_persist``), but
+            # ``step()`` starts with ``_partition_all_parameters()``, which releases every parameter (deepspeed 0.19
+            # stage3.py): they are gathered again in the next forward.
+            phase="backward",
         )
     )
     # grad_partitions_flat_buffer lives on the optimizer's device: the CPU under any optimizer offload, NVMe included.
