@@ -7,6 +7,8 @@
 #   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 1`   (~6-7 min)
 #   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 2`   (~5-6 min, if time is left)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 3`   (the ladder, not yet timed)
+#   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 4`   (FP8 eager, not yet timed)
+#   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 5`   (FP8 compiled, not yet timed)
 #
 # Outputs go under $OUT (the device tool brings them back) or /tmp/gpu_checks. `set -u` only: one failure must not
 # hide the rest; every step has its own timeout so a hang cannot eat the session.
@@ -59,5 +61,21 @@ if [ "$PART" = "3" ]; then
     log "ladder gpu"
     timeout 540 "$PY" train.py -m experiment=ladder trainer=gpu trainer.devices=1 hardware=h200 \
         hydra.sweep.dir="$OUT/ladder" 2>&1 | tail -30 | tee "$OUT/ladder_gpu.txt"
+fi
+if [ "$PART" = "4" ]; then
+    # FP8 against bf16, gpt_1b on one H200, 30 steps of 8 x 2048 tokens, eager: alone and FSDP2 on one device; torchao
+    # (precision=fp8) and Transformer Engine (fp8_te, only where it imports). tokens/s, MFU vs the bf16 peak, peak
+    # memory, train loss (bench/fp8.py prints the table; target: bf16 >= 55% MFU, fp8 faster than bf16).
+    log "fp8 eager"
+    timeout 560 "$PY" bench/fp8.py --no-compile --timeout 170 --out "$OUT/fp8_eager" 2>&1 | tail -12 \
+        | tee "$OUT/fp8_eager.txt"
+fi
+
+if [ "$PART" = "5" ]; then
+    # The same with compile=true (regional: one compile per block class), each run its own timeout.
+    log "fp8 compiled"
+    timeout 570 "$PY" bench/fp8.py --timeout 180 --out "$OUT/fp8_compiled" \
+        --only "bf16 +compile" "fp8 +compile" "fp8 +compile +fsdp" "fp8_te +compile" 2>&1 | tail -10 \
+        | tee "$OUT/fp8_compiled.txt"
 fi
 log "done part $PART"
