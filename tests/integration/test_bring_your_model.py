@@ -212,3 +212,15 @@ def test_user_module_on_padded_batches_under_sharding_with_int8_activations(tmp_
     # The user module builds its model in __init__ from the same seed: the sharded runs match DDP.
     for name in ("zero3", "fsdp"):
         assert runs[name]["val_loss"] == pytest.approx(runs["ddp"]["val_loss"], rel=1e-3), name
+
+
+@pytest.mark.slow
+def test_hf_gpt2_on_padded_user_batches_under_sharding_with_int8_activations(tmp_path):
+    # GPT-2 ties its head to the embedding: one parameter, counted once, sharded and re-initialised once.
+    file = write_config("gpt2", tmp_path / "gpt2")
+    runs = _sweep(
+        tmp_path / "sweep", "model=hf", f"model.config={file}", *PADDED, "+strategy=zero3,fsdp", "activations=int8"
+    )
+    assert {name: m["status"] for name, m in runs.items()} == {"zero3": "ok", "fsdp": "ok"}
+    assert {name: m["n_params"] for name, m in runs.items()} == dict.fromkeys(runs, _hf_params(file))
+    assert all(m["model"] == "gpt2" and math.isfinite(m["val_loss"]) for m in runs.values())
