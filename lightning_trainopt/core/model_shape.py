@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["GPTConfig"]
+__all__ = ["ATTENTION_KERNELS", "GPTConfig"]
+
+#: ``model.attention``: SDPA choosing its backend, one SDPA backend, or the flash-attn package.
+ATTENTION_KERNELS = ("sdpa", "flash", "efficient", "cudnn", "math", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class GPTConfig:
         tie_embeddings: share the input embedding with the output projection.
         rope_theta: rotary base.
         norm_eps: RMSNorm epsilon.
+        attention: the attention kernel, one of :data:`ATTENTION_KERNELS` (``techniques.attention``).
 
     Example::
 
@@ -43,6 +47,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "n_layers", "d_model", "n_heads", "ffn_hidden", "max_seq_len"):
@@ -55,6 +60,8 @@ class GPTConfig:
             raise ConfigError(
                 "model.n_heads", self.n_heads, "rotary embeddings need an even head dimension (d_model / n_heads)."
             )
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError("model.attention", self.attention, f"use one of {', '.join(ATTENTION_KERNELS)}.")
         if self.kv_heads < 1 or self.n_heads % self.kv_heads:
             raise ConfigError("model.n_kv_heads", self.n_kv_heads, f"choose a divisor of model.n_heads={self.n_heads}.")
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.techniques.attention import attention
 
 __all__ = ["GPT", "Block"]
 
@@ -47,19 +48,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.kernel = cfg.attention
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        # SDPA picks flash / memory-efficient kernels on GPU; enable_gqa avoids materialising repeated K/V.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+        # The configured kernel (SDPA by default, with grouped K/V never repeated); inside documents with doc_ids.
+        y = attention(q, k, v, self.kernel, doc_ids)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -84,8 +86,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, doc_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -142,15 +144,27 @@ class GPT(nn.Module):
         # Built per call (cheap) rather than a buffer, so meta-device and sharded copies need no buffer handling.
         return rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=device)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """Logits of ``(batch, seq)`` token ids, or the normed hidden states before ``lm_head``.
+
+        Args:
+            idx: token ids.
+            doc_ids: ``(batch, seq)`` document index per position (``techniques.attention.document_ids``): attention
+                stays inside each packed document. ``None``: each row is one causal sequence.
+            return_hidden: return the hidden states that ``lm_head`` would take (for a loss that applies the head
+                itself, e.g. ``techniques.chunked_loss``), not the logits.
+        """
         t = idx.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's max_seq_len={self.config.max_seq_len}")
         x = self.embed(idx)
         rope = self.rope(t, idx.device)
         for block in self.blocks:
-            x = block(x, rope)
-        return self.lm_head(self.norm(x))
+            x = block(x, rope) if doc_ids is None else block(x, rope, doc_ids)
+        hidden = self.norm(x)
+        return hidden if return_hidden else self.lm_head(hidden)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in fp32."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_trainopt.core.model_shape import ATTENTION_KERNELS
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "hf_attn_implementation",
 ]
 
-ATTENTION_CHOICES = ("sdpa", "flash", "efficient", "cudnn", "math", "flash_attn")
+ATTENTION_CHOICES = ATTENTION_KERNELS
 _CUDA_ONLY = {"efficient": "memory-efficient", "cudnn": "cuDNN"}
 _INSTALL = "pip install 'lightning_trainopt[gpu]' (flash-attn builds against CUDA)"
 
