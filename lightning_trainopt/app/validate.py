@@ -14,7 +14,7 @@ from omegaconf.errors import InterpolationResolutionError
 from lightning_trainopt.app.config_keys import check_config_keys
 from lightning_trainopt.app.model_factory import model_kind, user_module_class
 from lightning_trainopt.core.schedules import check_warmup_cosine
-from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["APP_TRAINER_KEYS", "resolve_accelerator", "validate_config"]
 
@@ -318,22 +318,10 @@ def _check_hf(data: DictConfig, model: DictConfig, accelerator: str, strategy: D
     from hydra.utils import instantiate
 
     from lightning_trainopt.app.preflight import check_vocab
-    from lightning_trainopt.strategies.spec import parse_strategy
 
     spec = instantiate(model)
     spec.check_attention(accelerator)
     hf_config = spec.load()
-    if spec.weights_dir() is not None and strategy is not None:
-        node = OmegaConf.to_container(strategy, resolve=True)
-        zero = parse_strategy({str(k): v for k, v in node.items()} if isinstance(node, dict) else None)
-        if zero.zero_stage == 3:
-            raise IncompatibleConfigError(
-                {"model.pretrained": spec.pretrained, "strategy": zero.name},
-                "under ZeRO-3 the model is built partitioned and the strategy then re-runs the model's own init a "
-                "module at a time, which would overwrite the loaded weights with random ones.",
-                "fine-tune pretrained weights with +strategy=zero2 or +strategy=fsdp (FSDP2 shards parameters too), "
-                "or train from model.config without model.pretrained under ZeRO-3.",
-            )
     max_len = getattr(hf_config, "max_position_embeddings", None)
     seq_len = data.get("seq_len")
     if _is_int(max_len) and _is_int(seq_len) and seq_len > max_len:

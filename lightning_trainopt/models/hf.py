@@ -142,6 +142,8 @@ class LitCausalLM(LitLanguageModel):
                 )
         if weights is not None and not on_meta and _zero3_building(self):
             _load_partitioned(model, weights)
+            # The weights are the checkpoint's: the strategy's re-run of the model's init must leave them.
+            model._trainopt_initialized = True
         model.config.use_cache = False
         if self.compile_model:
             model.compile()

@@ -79,6 +79,10 @@ def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
     return cpu_adam
 
 
+#: The attribute by which a module built inside ``zero.Init`` says that its weights are final (loaded, not drawn).
+INITIALIZED_MARK = "_trainopt_initialized"
+
+
 def _modules_in_init_order(owner: torch.nn.Module) -> list[torch.nn.Module]:
     """``owner``'s modules in the order its own init visits them.
 
@@ -142,7 +146,9 @@ def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
       the whole model;
     - else with ``reset_parameters()``: it runs with all of that module's parameters gathered.
 
-    Rank 0's values are then re-partitioned to all ranks. Only modules whose parameters were all created in this
+    A module marked ``_trainopt_initialized = True`` is left as it is: its weights were loaded from a checkpoint
+    inside the context (``LitCausalLM`` with ``model.pretrained``). Rank 0's values are then re-partitioned to all
+    ranks. Only modules whose parameters were all created in this
     context are re-initialised: Lightning enters the sharded context again for every ``validate``/``test`` after
     ``fit`` (``configure_model`` then builds nothing), and re-initialising there would replace the trained weights.
 
@@ -154,7 +160,7 @@ def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
 
     def visit(module: torch.nn.Module) -> None:
         params = list(module.parameters())
-        if all(id(p) in existing for p in params):
+        if all(id(p) in existing for p in params) or getattr(module, INITIALIZED_MARK, False):
             return
         ours = type(module).__module__.split(".")[0] != "torch" and not any(id(p) in existing for p in params)
         init_weights = getattr(module, "_init_weights", None)
