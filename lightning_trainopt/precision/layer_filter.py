@@ -74,12 +74,16 @@ def own_class_name(module: nn.Module) -> str:
 def matching_pattern(name: str, kind: str, patterns: Iterable[str]) -> str | None:
     """The first pattern that names this module, else ``None``.
 
-    A pattern matches the class name exactly (``RMSNorm``), or the module name as an ``fnmatch`` glob, either whole
-    (``model.blocks.0.mlp.*``) or at its end from a ``.`` boundary (``lm_head`` matches ``model.lm_head``,
-    ``*.router`` matches ``model.blocks.3.moe.router``).
+    A pattern matches the class name (``RMSNorm``; a glob too: ``*RMSNorm`` for ``LlamaRMSNorm``), or the module name
+    as an ``fnmatch`` glob, either whole (``model.blocks.0.mlp.*``) or at its end from a ``.`` boundary (``lm_head``
+    matches ``model.lm_head``, ``*.router`` matches ``model.blocks.3.moe.router``). Case matters.
     """
     for pattern in patterns:
-        if pattern == kind or fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}"):
+        if (
+            fnmatch.fnmatchcase(kind, pattern)
+            or fnmatch.fnmatchcase(name, pattern)
+            or fnmatch.fnmatchcase(name, f"*.{pattern}")
+        ):
             return pattern
     return None
 

@@ -56,7 +56,8 @@ def test_the_divisibility_rule_holds_without_the_size_rule():
         ("model.blocks.3.moe.router", "Linear", "*.router", True),
         ("model.blocks.0.mlp.up_proj", "Linear", "model.blocks.0.mlp.*", True),
         ("model.blocks.1.mlp.up_proj", "Linear", "model.blocks.0.mlp.*", False),
-        ("model.blocks.0.mlp.up_proj", "Linear", "Line*", False),  # classes match exactly, never as globs
+        ("model.blocks.0.input_layernorm", "LlamaRMSNorm", "*RMSNorm", True),  # a class-name glob
+        ("model.blocks.0.input_layernorm", "LlamaRMSNorm", "rmsnorm", False),  # case matters
     ],
 )
 def test_patterns_match_classes_and_name_globs(name, kind, pattern, hit):
