@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -21,6 +22,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(mark.kwargs.get("needs_cuda") for mark in item.iter_markers(name="skipif")):
             item.add_marker(pytest.mark.cuda)
+
+
+@pytest.fixture(autouse=True)
+def _lightning_logs_reach_caplog():
+    """Lightning's log records reach pytest's ``caplog`` whichever test imported Lightning first.
+
+    ``lightning.pytorch`` gives itself a console handler and stops propagating when it is first imported while the
+    root logger has no handler: in a test run that happens or not depending on the order of the tests, and a test
+    reading a callback's ``rank_zero_info`` line with ``caplog`` then passed alone and failed after another file.
+    """
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).propagate = True
 
 
 @pytest.fixture(autouse=True)
