@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, MixedPrecision
@@ -65,6 +65,34 @@ class ModelTransforms:
         if self._te_recipe is None:
             self._te_recipe = te_recipe(fp8.recipe)
         with te.fp8_autocast(enabled=True, fp8_recipe=self._te_recipe):
+            yield
+
+    @contextmanager
+    def _outside_inference_mode(self) -> Generator[None, None, None]:
+        """torchao's FP8 tensors cannot run under ``torch.inference_mode`` with autocast on (``aten.to.dtype`` is not
+        implemented for them; measured with torchao 0.18 on CPU): an evaluation step of an FP8 model runs under
+        ``no_grad`` instead, as Lightning does for DeepSpeed and FSDP. Tensors made in inference mode can be read."""
+        fp8 = self.spec if isinstance(self.spec, FP8PrecisionSpec) else None
+        if fp8 is None or fp8.is_te or not torch.is_inference_mode_enabled():
+            yield
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            yield
+
+    @contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        forward_context = cast(Any, self).forward_context  # the plugin class's, after this mixin in the MRO
+        with self._outside_inference_mode(), forward_context():
+            yield
+
+    @contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        with self.val_step_context():
+            yield
+
+    @contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        with self.val_step_context():
             yield
 
     def _after_step(self, model: nn.Module) -> None:

@@ -213,3 +213,21 @@ def test_transformer_engine_fp8_forward_backward_on_the_gpu():
     assert loss.item() == pytest.approx(expected.item(), rel=0.02)
     # Delayed scaling keeps its amax history in the module's extra state: it goes into the checkpoint.
     assert any(key.endswith("_extra_state") for key in root.state_dict())
+
+
+@RunIf(torchao=True)
+def test_evaluation_steps_leave_inference_mode_for_torchao():
+    """torchao's FP8 tensors fail under inference_mode with autocast (aten.to.dtype); the plugin evaluates under
+    no_grad instead, as Lightning's single-device and DDP evaluation loops use inference_mode."""
+    (plugin,) = trainer_precision_kwargs(fp8(), "auto", "cpu")["plugins"]
+    root = _root()
+    plugin.convert_module(root)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.inference_mode():
+        with pytest.raises(NotImplementedError, match="aten.to.dtype"), plugin.forward_context():
+            root.model(x)
+        for context in (plugin.val_step_context, plugin.test_step_context, plugin.predict_step_context):
+            with context():
+                logits = root.model(x)
+            assert logits.dtype == torch.bfloat16
+            assert not logits.requires_grad
