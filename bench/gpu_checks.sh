@@ -9,6 +9,7 @@
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 3`   (the ladder, not yet timed)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 4`   (FP8 eager, not yet timed)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 5`   (FP8 compiled, not yet timed)
+#   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 6`   (FP8 x strategies smoke, not yet timed)
 #
 # Outputs go under $OUT (the device tool brings them back) or /tmp/gpu_checks. `set -u` only: one failure must not
 # hide the rest; every step has its own timeout so a hang cannot eat the session.
@@ -77,5 +78,32 @@ if [ "$PART" = "5" ]; then
     timeout 570 "$PY" bench/fp8.py --timeout 180 --out "$OUT/fp8_compiled" \
         --only "bf16 +compile" "fp8 +compile" "fp8 +compile +fsdp" "fp8_te +compile" 2>&1 | tail -10 \
         | tee "$OUT/fp8_compiled.txt"
+fi
+if [ "$PART" = "6" ]; then
+    # FP8 with each sharded strategy on one GPU (never run on a GPU yet, Transformer Engine with ZeRO-3/FSDP2 never
+    # run at all): gpt_tiny with every layer converted, 4 steps, a checkpoint at step 2 and a run resumed from it.
+    mkdir -p "$OUT/fp8_smoke"
+    for prec in fp8 fp8_te; do
+        for strat in zero2 zero3 fsdp; do
+            log "smoke $prec $strat"
+            dir="$OUT/fp8_smoke/$prec-$strat"
+            args=(precision=$prec precision.skip_small=false +strategy=$strat trainer=gpu trainer.devices=1
+                trainer.max_steps=4 trainer.val_check_interval=2 trainer.limit_val_batches=2 logger=none
+                trainer.enable_progress_bar=false +callbacks.model_checkpoint.every_n_train_steps=2
+                callbacks.model_checkpoint.save_top_k=-1)
+            timeout 80 "$PY" train.py "${args[@]}" hydra.run.dir="$dir/full" > "$dir.full.log" 2>&1
+            ckpt=$(ls -d "$dir"/full/checkpoints/step000002* 2>/dev/null | head -1)
+            [ -n "$ckpt" ] && timeout 80 "$PY" train.py "${args[@]}" ckpt_path="$ckpt" hydra.run.dir="$dir/resumed" \
+                > "$dir.resumed.log" 2>&1
+            "$PY" - "$dir" <<'PYEOF' 2>&1 | tee -a "$OUT/fp8_smoke.txt"
+import json, pathlib, sys
+d = pathlib.Path(sys.argv[1])
+runs = {k: d / k / "metrics.json" for k in ("full", "resumed")}
+got = {k: json.loads(p.read_text()) if p.exists() else None for k, p in runs.items()}
+line = {k: (m["status"], m["train_loss"], m["val_loss"]) if m else "no metrics" for k, m in got.items()}
+print(d.name, line, "resumed == full:", bool(got["full"] and got["resumed"] and line["full"] == line["resumed"]))
+PYEOF
+        done
+    done
 fi
 log "done part $PART"
