@@ -17,7 +17,7 @@ from torch import nn
 from lightning_trainopt.exceptions import MissingDependencyError
 from lightning_trainopt.precision.fp8_spec import FP8PrecisionSpec
 from lightning_trainopt.precision.keep_fp32 import keep_in_fp32
-from lightning_trainopt.precision.layer_filter import LayerDecision, plan_layers
+from lightning_trainopt.precision.layer_filter import LayerDecision, clean_name, plan_layers
 from lightning_trainopt.precision.spec import PrecisionSpec
 
 __all__ = ["ConversionReport", "convert_model", "te_recipe", "torchao_config"]
@@ -170,15 +170,11 @@ def convert_model(root: nn.Module, spec: PrecisionSpec, *, emulate: bool, fsdp: 
 
 
 def _named(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    from lightning_trainopt.precision.layer_filter import clean_name
-
     return [(clean_name(name), module) for name, module in root.named_modules() if name]
 
 
 def _convert_torchao(root: nn.Module, layers: list[LayerDecision], config: Any) -> None:
     from torchao.float8 import convert_to_float8_training
-
-    from lightning_trainopt.precision.layer_filter import clean_name
 
     chosen = {d.name for d in layers if d.action == "fp8"}
     convert_to_float8_training(root, config=config, module_filter_fn=lambda _m, fqn: clean_name(fqn) in chosen)
