@@ -2,6 +2,7 @@
 
     python bench/planner_accuracy.py activations      # saved-for-backward bytes, CPU, seconds
     python bench/planner_accuracy.py activations --models  # the same for a Hugging Face Llama config and a user module
+    python bench/planner_accuracy.py activations --fp8     # precision=fp8 (torchao, emulated) and loss=chunked_ce, CPU
     python bench/planner_accuracy.py states           # per-rank model states, 2 CPU processes x ddp/zero1/zero2/zero3
     python bench/planner_accuracy.py states --models  # the same for a Hugging Face Llama config and a user module
     python bench/planner_accuracy.py gpu              # gpt_1b bf16 peak vs torch.cuda.max_memory_allocated (CUDA)
@@ -174,6 +175,114 @@ def activation_rows(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+# Every linear layer divisible by 16, so that precision.skip_small=false converts all but the head.
+FP8_CFG = GPTConfig(
+    name="demo_fp8", vocab_size=512, n_layers=2, d_model=256, n_heads=4, ffn_hidden=688, max_seq_len=512
+)
+
+
+def _plan_cfg(overrides: list[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return compose("plan", overrides=overrides)
+
+
+def _demo_overrides(cfg: GPTConfig) -> list[str]:
+    keys = ("vocab_size", "n_layers", "d_model", "n_heads", "ffn_hidden", "max_seq_len")
+    return ["model=gpt_tiny", "hardware=cpu", *(f"model.{k}={getattr(cfg, k)}" for k in keys)]
+
+
+def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """The planner's activation bytes (``plan(cfg)`` on ``hardware=cpu``) for ``precision=fp8`` (torchao, emulated,
+    every layer divisible by 16 converted) or ``bf16``, with ``loss=standard`` or ``chunked_ce``."""
+    from lightning_trainopt.app.plan import plan
+
+    overrides = [
+        *_demo_overrides(FP8_CFG),
+        f"precision={precision}",
+        f"loss={loss}",
+        f"activations={policy_name}",
+        f"data.batch_size={micro_batch}",
+        f"data.seq_len={seq_len}",
+        "loss.chunk_tokens=128" if loss == "chunked_ce" else "plan.top_k=10",
+    ]
+    if precision == "fp8":
+        overrides.append("precision.skip_small=false")
+    est = plan(_plan_cfg(overrides)).estimate
+    return est.memory.bytes("activations")
+
+
+def measure_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """Saved-for-backward bytes of one real CPU forward and loss of the same model: torchao's real conversion
+    (``precision.convert.convert_model``, emulated on CPU) and ``ChunkedLMHeadLoss`` on the hidden states."""
+    from lightning_trainopt.precision import FP8PrecisionSpec, convert_model
+    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
+
+    torch.manual_seed(0)
+    model = GPT(FP8_CFG)
+    if precision == "fp8":
+        spec = FP8PrecisionSpec(name="fp8", trainer_precision="bf16-mixed", skip_small=False)
+        convert_model(model, spec, emulate=True, fsdp=False)
+    policy = POLICIES[policy_name]
+    if policy.checkpoint_every:
+        apply_activation_checkpointing(model, CheckpointPolicy(every_k=policy.checkpoint_every))
+    x = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len))
+    y = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len))
+    with SavedTensorsCounter(params=model.parameters()) as counter:
+        if loss == "chunked_ce":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = model(x, return_hidden=True) if _returns_hidden() else _hidden(model, x)
+                out = ChunkedLMHeadLoss(128)(model.lm_head, hidden, y)
+        else:
+            out = _loss(model, x, y, True)
+    out.backward()
+    return counter.report().activation_bytes
+
+
+def _returns_hidden() -> bool:
+    import inspect
+
+    return "return_hidden" in inspect.signature(GPT.forward).parameters
+
+
+def _hidden(model: GPT, x: torch.Tensor) -> torch.Tensor:
+    head = model.lm_head
+    model.lm_head = torch.nn.Identity()  # type: ignore[assignment]
+    try:
+        return model(x)
+    finally:
+        model.lm_head = head
+
+
+def variant_rows(quick: bool = False) -> list[dict[str, Any]]:
+    cases = [("fp8", "standard"), ("bf16", "chunked_ce"), ("fp8", "chunked_ce")]
+    policies = ["none"] if quick else ["none", "checkpoint"]
+    shapes = [(2, 128)] if quick else [(2, 128), (4, 256)]
+    rows = []
+    for precision, loss in cases:
+        for pol in policies:
+            for mb, t in shapes:
+                pred = predict_variant(precision, loss, pol, mb, t)
+                meas = measure_variant(precision, loss, pol, mb, t)
+                rows.append(
+                    {
+                        "model": FP8_CFG.name,
+                        "precision": precision,
+                        "loss": loss,
+                        "activations": pol,
+                        "micro_batch": mb,
+                        "seq_len": t,
+                        "predicted": pred,
+                        "measured": meas,
+                        "error": pred / meas - 1,
+                    }
+                )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["activations", "states", "gpu"])
@@ -181,8 +290,11 @@ def main() -> None:
     parser.add_argument(
         "--models", action="store_true", help="a Hugging Face Llama config and a user module instead of our model"
     )
+    parser.add_argument("--fp8", action="store_true", help="precision=fp8 (emulated) and loss=chunked_ce on our model")
     args = parser.parse_args()
-    if args.mode == "activations":
+    if args.mode == "activations" and args.fp8:
+        _print(variant_rows(args.quick), ["model", "precision", "loss", "activations", "micro_batch", "seq_len"], 0.10)
+    elif args.mode == "activations":
         rows = module_activation_rows(args.quick) if args.models else activation_rows(args.quick)
         _print(rows, ["model", "precision", "activations", "micro_batch", "seq_len"], 0.10)
     elif args.mode == "states":

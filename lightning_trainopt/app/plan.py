@@ -280,6 +280,8 @@ def plan(cfg: DictConfig) -> PlanResult:
     def run(i: PlanInputs) -> PlanEstimate:
         # A measured speed belongs to the configuration that ran; every other candidate keeps the FLOPs model.
         peak = hardware.peak(compute_dtype_key(i.trainer_precision, on_cuda))
+        # Converted layers run at the FP8 peak where there are real FP8 GEMMs (not on a CPU, which emulates them).
+        fp8_peak = hardware.peak("fp8") if i.precision is not None and i.precision.fp8 and on_cuda else None
         tps = measured if i == inputs else None
         return estimate_plan(
             i,
@@ -293,6 +295,7 @@ def plan(cfg: DictConfig) -> PlanResult:
             hardware.host_memory_bytes,
             device_is_host=not on_cuda,
             bandwidths=bandwidths,
+            fp8_peak_flops=fp8_peak,
         )
 
     est = run(inputs)
@@ -317,7 +320,8 @@ def plan(cfg: DictConfig) -> PlanResult:
             seq_len_note=note,
         )
     space_node = plan_cfg.get("search_space")
-    space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size)
+    known = {choices["precision"]: inputs.precision} if "precision" in choices else {}
+    space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size, cfg, on_cuda, known)
     every, n_enum = search_plans(inputs, space, run, adam_path, allowed)
     ranked = best_per_configuration(every)
     if not n_enum:

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.core.estimate import (
     ActivationPolicy,
+    LossPlan,
     ModelProfile,
     OptimizerStateModel,
     PlanInputs,
@@ -337,25 +338,11 @@ def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
         node = _plain(cfg.model)
         node.pop("_target_", None)
         return GPTConfig(**node)
-    from lightning_trainopt.app.plan_model import module_plan_profile
+    from lightning_trainopt.app.plan_model import module_max_seq_len, module_plan_profile
+    from lightning_trainopt.app.plan_precision import with_planned_loss
 
-    module = meta_module(cfg)
-    return module_plan_profile(module, model_name(cfg, module), _max_seq_len(module))
-
-
-def _max_seq_len(module: Any) -> int | None:
-    """The longest sequence a module says it takes: a Hugging Face config's ``max_position_embeddings`` (or
-    ``n_positions``), else a ``max_seq_len`` attribute or hyperparameter; ``None`` when it says nothing."""
-    hf_config = getattr(module, "hf_config", None)
-    for value in (
-        getattr(hf_config, "max_position_embeddings", None),
-        getattr(hf_config, "n_positions", None),
-        getattr(module, "max_seq_len", None),
-        getattr(getattr(module, "hparams", {}), "get", lambda _k: None)("max_seq_len"),
-    ):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
+    module = with_planned_loss(meta_module(cfg), cfg)
+    return module_plan_profile(module, model_name(cfg, module), module_max_seq_len(module))
 
 
 def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanInputs:
@@ -390,6 +377,8 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         user_json = dict(spec.config)
         check_json_precision(user_json, trainer_precision)
         accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
+    from lightning_trainopt.app.plan_precision import attention_kind, loss_plan, precision_plan
+
     return PlanInputs(
         model=model,
         trainer_precision=trainer_precision,
@@ -401,19 +390,30 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         accumulate=accumulate,
         devices=devices,
         num_nodes=nodes,
-        attention=str(cfg.get("plan", {}).get("attention", "sdpa")),
+        attention=attention_kind(cfg),
+        precision=precision_plan(cfg, cfg.precision, on_cuda),
+        loss=loss_plan(cfg.get("loss")),
     )
 
 
-def search_space_from_cfg(space_node: Any, conf_dir: Path, world_size: int) -> SearchSpace:
+def search_space_from_cfg(
+    space_node: Any,
+    conf_dir: Path,
+    world_size: int,
+    cfg: DictConfig | None = None,
+    on_cuda: bool = False,
+    known: dict[str, Any] | None = None,
+) -> SearchSpace:
     """The :class:`SearchSpace` of ``plan.search_space``: every listed preset must exist, every list be non-empty.
 
     On one device the ``ddp`` preset stands for :data:`NO_STRATEGY` (Lightning's single device, no ``+strategy``):
-    the DDP wrapper would only add its gradient buckets.
+    the DDP wrapper would only add its gradient buckets. With ``cfg``, each precision preset that changes the model
+    (FP8, ``keep_fp32``) gets its :class:`PrecisionPlan` (``known``: those already made, by preset name), and an
+    optional ``plan.search_space.loss`` list lets the search choose the loss (our GPT presets).
 
     Raises:
-        ConfigError: a missing or empty list, an unknown preset (the key, the name and the presets that exist), or a
-            micro-batch that is not a positive whole number.
+        ConfigError: a missing or empty list, an unknown preset (the key, the name and the presets that exist), a
+            micro-batch that is not a positive whole number, or a loss list for a model other than our GPT presets.
     """
     space = _plain(space_node) or {}
     for group in ("precision", "strategy", "activations", "optimizer", "micro_batch"):
@@ -438,4 +438,30 @@ def search_space_from_cfg(space_node: Any, conf_dir: Path, world_size: int) -> S
         _positive("plan.search_space.micro_batch", b, "use positive whole micro-batch sizes, e.g. [1, 2, 4].")
         for b in space["micro_batch"]
     )
-    return SearchSpace(precisions, strategies, activations, optimizers, micro)
+    if cfg is None:
+        return SearchSpace(precisions, strategies, activations, optimizers, micro)
+    from lightning_trainopt.app.model_factory import model_kind
+    from lightning_trainopt.app.plan_precision import loss_plan, precision_plan
+
+    known = known or {}
+    plans = {
+        n: known[n] if n in known else precision_plan(cfg, load_preset(conf_dir, "precision", n), on_cuda, n)
+        for n in precisions
+    }
+    losses = {}
+    if space.get("loss") is not None:
+        names = space["loss"]
+        if not isinstance(names, list) or not names:
+            raise ConfigError(
+                "plan.search_space.loss", names, "list at least one loss preset, e.g. [standard, chunked_ce]."
+            )
+        if model_kind(cfg.model) != "gpt":
+            raise ConfigError(
+                "plan.search_space.loss",
+                names,
+                "the search chooses the loss for our GPT presets; for this model plan each loss=... in turn.",
+            )
+        for n in names:
+            plan = loss_plan(load_preset(conf_dir, "loss", str(n)), str(n))
+            losses[str(n)] = plan if plan is not None else LossPlan(str(n))
+    return SearchSpace(precisions, strategies, activations, optimizers, micro, plans, losses)

@@ -29,7 +29,14 @@ from lightning_trainopt.core.estimate.terms import MemoryEstimate
 from lightning_trainopt.core.flops import SeqFlops, fit_seq_flops, meta_copy
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["BATCH_FORMATS", "module_plan_profile", "token_batch", "token_dict_batch", "training_loss"]
+__all__ = [
+    "BATCH_FORMATS",
+    "module_max_seq_len",
+    "module_plan_profile",
+    "token_batch",
+    "token_dict_batch",
+    "training_loss",
+]
 
 Batch = Callable[[int, int], Any]
 
@@ -115,6 +122,8 @@ def module_plan_profile(
     max_seq_len: int | None = None,
     make_batch: Batch | None = None,
     loss_fn: Callable[[nn.Module, Any], Any] = training_loss,
+    transform: Callable[[nn.Module], None] | None = None,
+    measure_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> ModelProfile:
     """The profile of ``module`` (a LightningModule with its model built on ``meta``, or any ``nn.Module``).
 
@@ -125,6 +134,11 @@ def module_plan_profile(
         make_batch: ``(micro_batch, seq_len) -> batch`` as training feeds it; ``None``: the first of
             :data:`BATCH_FORMATS` the training step runs on.
         loss_fn: ``(module, batch) -> loss`` (default :func:`training_loss`).
+        transform: applied to each fake copy before it is measured, before checkpointing wraps its blocks, as the
+            precision plugin converts the model before the strategy and the callbacks see it (FP8 layers,
+            fp32-kept modules: ``app.plan_precision``).
+        measure_context: entered around each measurement (``app.plan_precision``: torchao's ``Float8Linear`` sees
+            the CPU autocast as a GPU run's).
 
     Raises:
         ConfigError: the module's training step cannot run on fake tensors (the message names the error).
@@ -136,12 +150,18 @@ def module_plan_profile(
     masks = _hf_masks_as_in_training if hf else contextlib.nullcontext
     trace, batch_of = _trace(module, (make_batch,) if make_batch else BATCH_FORMATS, loss_fn, hf, name)
 
+    def build(dtype: torch.dtype, every: int) -> nn.Module:
+        fake = fake_module(module, dtype)
+        if transform is not None:
+            transform(fake)
+        return _checkpointed(fake, every)
+
     @cache
     def measure(micro_batch: int, seq_len: int, dtype: torch.dtype, autocast: bool, every: int, math: bool) -> Any:
         try:
-            with masks():
+            with masks(), measure_context():
                 return measure_saved_storages(
-                    lambda: _checkpointed(fake_module(module, dtype), every),
+                    lambda: build(dtype, every),
                     lambda: batch_of(micro_batch, seq_len),
                     loss_fn,
                     torch.bfloat16 if autocast else None,
@@ -234,3 +254,18 @@ def _trace(
         "planner measures activations on fake tensors: make training_step run without a Trainer on (input ids, "
         "targets) or {input_ids, attention_mask, labels} batches.",
     )
+
+
+def module_max_seq_len(module: Any) -> int | None:
+    """The longest sequence a module says it takes: a Hugging Face config's ``max_position_embeddings`` (or
+    ``n_positions``), else a ``max_seq_len`` attribute or hyperparameter; ``None`` when it says nothing."""
+    hf_config = getattr(module, "hf_config", None)
+    for value in (
+        getattr(hf_config, "max_position_embeddings", None),
+        getattr(hf_config, "n_positions", None),
+        getattr(module, "max_seq_len", None),
+        getattr(getattr(module, "hparams", {}), "get", lambda _k: None)("max_seq_len"),
+    ):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None

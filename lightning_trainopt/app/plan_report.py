@@ -142,6 +142,8 @@ def train_command(
     for group in ("model", "hardware", "precision", "activations", "optimizer"):
         if group in choices and (group in swapped or group not in present):
             parts.append(f"{group}={choices[group]}")
+    if "loss" in swapped:  # only a search that chose the loss writes it (the config's own is in the overrides)
+        parts.append(f"loss={swapped['loss']}")
     strategy_given = "strategy" in present and "strategy" not in swapped
     if choices.get("strategy") and inputs.layout.kind != "single" and not strategy_given:
         parts.append(f"+strategy={choices['strategy']}")

@@ -22,6 +22,7 @@ from lightning_trainopt.core.estimate.optimizer_state import (
     optimizer_state_model,
 )
 from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs, estimate_plan, gpt_param_groups
+from lightning_trainopt.core.estimate.precision_plan import LossPlan, PrecisionPlan
 from lightning_trainopt.core.estimate.search import Candidate, SearchSpace, rank_candidates, search_plans
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import CATEGORIES, LOCATIONS, MemoryEstimate, Term
@@ -34,11 +35,13 @@ __all__ = [
     "OPTIMIZER_STATES",
     "ActivationPolicy",
     "Candidate",
+    "LossPlan",
     "MemoryEstimate",
     "ModelProfile",
     "OptimizerStateModel",
     "PlanEstimate",
     "PlanInputs",
+    "PrecisionPlan",
     "SearchSpace",
     "SpeedEstimate",
     "StrategyLayout",

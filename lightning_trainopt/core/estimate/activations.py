@@ -19,6 +19,12 @@ Outside the blocks: token ids (8 B), the final norm (``8d + 4``), the lm_head in
 of the loss (``4·V``), the targets (8 B) and one rotary table (``4·T·head_dim`` per micro-batch). Under autocast
 the half copies of every ``Linear`` weight are saved too (2 B per weight element).
 
+The loss (``loss=``): ``chunked`` (``techniques/chunked_loss.py``) keeps the final norm's output in the residual
+stream's dtype (``s·d``) and one fp32 log-sum-exp per token (``4``) instead of the lm_head input and the log-softmax,
+and no half copy of the lm_head weight (it runs outside autocast); backward holds one chunk's logits and an fp32
+weight-gradient accumulator. ``liger`` (Liger-Kernel, read from its source, GPU only) writes the gradients in
+forward and keeps them: the hidden states' gradient (``s·d``) and the head weight's (``V·d`` in the weight dtype).
+
 Techniques: non-reentrant checkpointing keeps only each checkpointed block's input (``s·d``, ``s`` the residual
 stream's bytes); ``every_k`` checkpoints blocks 0, k, 2k, ...; 8-bit compression stores floating tensors of at
 least ``min_numel`` elements as int8 (padded to whole blocks) plus an fp32 scale per ``block`` elements
@@ -29,8 +35,10 @@ memory, each block rounded up to a power of two by torch's caching host allocato
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from lightning_trainopt.core.estimate.precision_plan import LossPlan
 from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
 from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.exceptions import ConfigError
@@ -108,6 +116,7 @@ def estimate_transformer_activations(
     autocast: bool,
     policy: ActivationPolicy | None = None,
     attention: str = "sdpa",
+    loss: LossPlan | None = None,
 ) -> MemoryEstimate:
     """Bytes saved for backward by one micro-batch, on one device, plus the backward-time transient.
 
@@ -119,6 +128,7 @@ def estimate_transformer_activations(
         autocast: ``True`` under Lightning's ``*-mixed`` precision (fp32 weights, autocast casts per op).
         policy: checkpointing / offload / compression.
         attention: ``sdpa`` (flash or memory-efficient kernel, linear in T) or ``math`` (keeps the T x T scores).
+        loss: the loss after the head (``None``: logits and ``F.cross_entropy``).
 
     Raises:
         ConfigError: bad micro-batch, sequence length or attention kernel.
@@ -171,27 +181,26 @@ def estimate_transformer_activations(
             n_ckpt,
             [(saved(stream, bt * d), bt * d)],
         ),
-        (
-            "final norm, lm_head input, log-softmax",
-            f"{bt:,} tok x (8d+4+a·d+4V)",
-            1,
-            [(saved(4, bt * d), bt * d)] * 2
-            + [(4 * bt, bt), (saved(a, bt * d), bt * d), (saved(4, bt * cfg.vocab_size), bt * cfg.vocab_size)],
-        ),
+        _head_group(cfg, bt, a, stream, loss, saved),
         (
             "token ids, targets, rotary table",
             "16 B/tok + 4 B x T x head_dim + loss weight",
             1,
-            [(8 * bt, bt)] * 2 + [(saved(4, seq_len * cfg.head_dim), seq_len * cfg.head_dim), (4, 1)],
+            [(8 * bt, bt)] * 2
+            + [(saved(4, seq_len * cfg.head_dim), seq_len * cfg.head_dim)]
+            + ([(4, 1)] if loss is None or loss.kind == "standard" else []),  # F.cross_entropy's total weight
         ),
     ]
     if autocast:
-        # One half copy per Linear weight, each its own saved tensor (so compressed one by one under int8).
+        # One half copy per Linear weight, each its own saved tensor (so compressed one by one under int8). The
+        # chunked and Liger losses run the head outside autocast: no copy of its weight.
         block_mats = [d * d, d * dkv, d * dkv, d * d, d * f, d * f, f * d]
-        n_w = cfg.vocab_size * d + n_full * sum(block_mats)
-        copies = [(saved(2, cfg.vocab_size * d), cfg.vocab_size * d)]
+        head = cfg.vocab_size * d if loss is None or loss.kind == "standard" else 0
+        n_w = head + n_full * sum(block_mats)
+        copies = [(saved(2, head), head)] if head else []
         copies += [(saved(2, k), k) for k in block_mats] * n_full
-        groups.append(("autocast half weight copies", f"2 B x {n_w:,} (lm_head + full blocks)", 1, copies))
+        where = "lm_head + full blocks" if head else "full blocks"
+        groups.append(("autocast half weight copies", f"2 B x {n_w:,} ({where})", 1, copies))
     if a == 2 and not autocast:
         # Half-precision weights: each RMSNorm multiplies by ``weight.float()``, an fp32 copy saved for backward.
         n_norms = 2 * n_full + 1
@@ -227,15 +236,64 @@ def estimate_transformer_activations(
                 phase="backward",
             )
         )
-    terms.append(
-        Term(
+    terms.append(_loss_transient(cfg, bt, a, loss))
+    # Saved activations live from the forward to their backward: the backward phase of the step.
+    return MemoryEstimate.of(replace(t, phase="backward") if t.category == "activations" else t for t in terms)
+
+
+def _head_group(
+    cfg: GPTConfig, bt: int, a: int, stream: int, loss: LossPlan | None, saved: Callable[[int, int], int]
+) -> tuple[str, str, int, list[tuple[int, int]]]:
+    """The saved tensors of the final norm, the head and the loss, as (bytes, elements)."""
+    d, v = cfg.d_model, cfg.vocab_size
+    norm = [(saved(4, bt * d), bt * d)] * 2 + [(4 * bt, bt)]
+    kind = "standard" if loss is None else loss.kind
+    if kind == "chunked":
+        # The norm's output (the residual stream's dtype), one fp32 log-sum-exp per token, the int64 token count.
+        tensors = norm + [(saved(stream, bt * d), bt * d), (saved(4, bt), bt), (8, 1)]
+        return "final norm, hidden states, log-sum-exp (chunked loss)", f"{bt:,} tok x (8d+4+s·d+4) + 8", 1, tensors
+    if kind == "liger":
+        # Liger writes both gradients in forward and keeps them: the hidden states' and the head weight's.
+        w = 2 if (a == 2 and stream == 2) else 4
+        tensors = norm + [(saved(stream, bt * d), bt * d), (saved(w, v * d), v * d)]
+        return "final norm, Liger's saved gradients", f"{bt:,} tok x (8d+4+s·d) + {w} B x V x d", 1, tensors
+    tensors = norm + [(saved(a, bt * d), bt * d), (saved(4, bt * v), bt * v)]
+    return "final norm, lm_head input, log-softmax", f"{bt:,} tok x (8d+4+a·d+4V)", 1, tensors
+
+
+def _loss_transient(cfg: GPTConfig, bt: int, a: int, loss: LossPlan | None) -> Term:
+    """What the loss holds at once in backward: the logits and their gradient, or one chunk's."""
+    v, d = cfg.vocab_size, cfg.d_model
+    kind = "standard" if loss is None else loss.kind
+    if loss is None or kind == "standard":
+        return Term(
             "other",
             "device",
             "logits + their gradient",
-            (a + 4) * bt * cfg.vocab_size,
+            (a + 4) * bt * v,
             f"{bt:,} tok x (a+4) B x V",
             phase="backward",
         )
+    if kind == "chunked":
+        # Per chunk: the logits (a), their fp32 copy (a half dtype only), minus the log-sum-exp and its exp (fp32),
+        # alive together in one expression; and the fp32 weight-gradient accumulator for the whole backward.
+        c = min(loss.chunk_tokens, bt)
+        per = a + 8 + (4 if a != 4 else 0)
+        return Term(
+            "other",
+            "device",
+            "one chunk's logits + fp32 head-gradient accumulator (chunked loss)",
+            per * c * v + 4 * v * d,
+            f"{per} B x {c:,} tok x V + 4 B x V x d",
+            phase="backward",
+        )
+    # Liger: chunks of 2^ceil(log2(BT / ceil(V / d))) tokens, each chunk's logits and their fp32 gradient.
+    c = min(bt, 1 << max(0, math.ceil(math.log2(max(1, bt / math.ceil(v / d))))))
+    return Term(
+        "other",
+        "device",
+        "one chunk's logits + gradient (Liger, derived)",
+        (a + 4) * c * v,
+        f"(a+4) B x {c:,} tok x V",
+        phase="backward",
     )
-    # Saved activations live from the forward to their backward: the backward phase of the step.
-    return MemoryEstimate.of(replace(t, phase="backward") if t.category == "activations" else t for t in terms)

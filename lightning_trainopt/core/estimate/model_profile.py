@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_trainopt.core.estimate.activations import ActivationPolicy, estimate_transformer_activations
 from lightning_trainopt.core.estimate.fsdp_units import FSDPUnits, gpt_fsdp_units
+from lightning_trainopt.core.estimate.precision_plan import LossPlan
 from lightning_trainopt.core.estimate.terms import MemoryEstimate
 from lightning_trainopt.core.estimate.zero3_gather import gpt_module_trace
 from lightning_trainopt.core.flops import transformer_flops
@@ -104,15 +105,18 @@ def gpt_param_groups(cfg: GPTConfig) -> list[list[int]]:
 
 
 @lru_cache(maxsize=64)
-def gpt_profile(cfg: GPTConfig) -> ModelProfile:
-    """The analytic profile of our demo transformer (``models/gpt.py``)."""
+def gpt_profile(cfg: GPTConfig, loss: LossPlan | None = None) -> ModelProfile:
+    """The analytic profile of our demo transformer (``models/gpt.py``), with the loss that follows its head
+    (``None``: logits and ``F.cross_entropy``)."""
     kv = cfg.kv_heads * cfg.head_dim
     shape = (cfg.vocab_size, cfg.d_model, kv, cfg.ffn_hidden, cfg.n_layers, cfg.tie_embeddings)
 
     def activations(
         micro_batch: int, seq_len: int, compute_bytes: int, autocast: bool, policy: ActivationPolicy, attention: str
     ) -> MemoryEstimate:
-        return estimate_transformer_activations(cfg, micro_batch, seq_len, compute_bytes, autocast, policy, attention)
+        return estimate_transformer_activations(
+            cfg, micro_batch, seq_len, compute_bytes, autocast, policy, attention, loss
+        )
 
     def flops(micro_batch: int, seq_len: int) -> tuple[int, int]:
         f = transformer_flops(cfg, seq_len, micro_batch)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_trainopt.core.estimate.activations import ActivationPolicy
 from lightning_trainopt.core.estimate.model_profile import ModelProfile, gpt_param_groups, gpt_profile
 from lightning_trainopt.core.estimate.model_states import StrategyLayout, estimate_model_states
 from lightning_trainopt.core.estimate.offload_time import Bandwidths, estimate_step_overhead
 from lightning_trainopt.core.estimate.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
+from lightning_trainopt.core.estimate.precision_plan import LossPlan, PrecisionPlan, fp8_transient_term, te_saved_delta
 from lightning_trainopt.core.estimate.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.core.estimate.terms import MemoryEstimate
 from lightning_trainopt.core.model_shape import GPTConfig
@@ -36,6 +37,8 @@ class PlanInputs:
         attention: ``sdpa`` or ``math``.
         adam_path: how torch Adam/AdamW runs its step (``fused``, ``foreach``, ``single_tensor``; see
             ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
+        precision: the preset's model changes (FP8 layers, fp32-kept modules); ``None``: none.
+        loss: the loss after the output head; ``None``: logits and ``F.cross_entropy``.
     """
 
     model: GPTConfig | ModelProfile
@@ -50,6 +53,8 @@ class PlanInputs:
     num_nodes: int = 1
     attention: str = "sdpa"
     adam_path: str = "fused"
+    precision: PrecisionPlan | None = None
+    loss: LossPlan | None = None
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -66,7 +71,10 @@ class PlanInputs:
     @property
     def profile(self) -> ModelProfile:
         """The model as the planner reads it (our transformer's analytic profile for a :class:`GPTConfig`)."""
-        return self.model if isinstance(self.model, ModelProfile) else gpt_profile(self.model)
+        if isinstance(self.model, ModelProfile):
+            return self.model
+        loss = self.loss if self.loss is not None and self.loss.kind != "standard" else None
+        return gpt_profile(self.model, loss)
 
     @property
     def compute_bytes(self) -> int:
@@ -179,6 +187,7 @@ def estimate_plan(
     device_is_host: bool = False,
     bandwidths: Bandwidths | None = None,
     mfu: float | None = None,
+    fp8_peak_flops: float | None = None,
 ) -> PlanEstimate:
     """Estimate memory, speed and cost of one configuration.
 
@@ -198,6 +207,8 @@ def estimate_plan(
             (``offload_time``); ``None`` or a missing rate leaves that item uncharged and named in
             ``speed.overhead.not_charged``.
         mfu: the former name of ``hfu`` (the fraction always applied to the executed FLOPs).
+        fp8_peak_flops: dense FP8 peak FLOP/s of one device, for the FLOPs of the layers ``inputs.precision``
+            converts (``None``: no FP8 peak, e.g. a CPU that emulates FP8: they run at ``peak_flops``).
 
     Raises:
         ConfigError: ``headroom_fraction`` outside [0, 1); both ``hfu`` and ``mfu`` given.
@@ -219,20 +230,17 @@ def estimate_plan(
         module_trace=m.module_trace,
         fsdp_units=m.fsdp_units,
     )
-    acts = m.activations(
-        inputs.micro_batch,
-        inputs.seq_len,
-        inputs.compute_bytes,
-        inputs.autocast,
-        inputs.activations,
-        inputs.attention,
-    )
     model_flops, recompute_flops = m.flops(inputs.micro_batch, inputs.seq_len)
     every = inputs.activations.checkpoint_every
     n_ckpt = 0 if every == 0 or not m.n_blocks else -(-m.n_blocks // every)
     fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
+    acts = _activations(inputs, m, fraction)
     hw_flops = model_flops + int(round(fraction * recompute_flops))
-    per_token = hw_flops / (inputs.micro_batch * inputs.seq_len)
+    tokens = inputs.micro_batch * inputs.seq_len
+    per_token = hw_flops / tokens
+    p = inputs.precision
+    # The converted layers' share of the model FLOPs; the recomputed forward is taken at the same share.
+    fp8_share = min(1.0, p.fp8_flops_per_token * tokens / model_flops) if p is not None and p.fp8 else 0.0
     memory = states + acts
     overhead = estimate_step_overhead(
         memory,
@@ -256,6 +264,9 @@ def estimate_plan(
         target_tokens,
         measured_tokens_per_sec_per_device,
         overhead,
+        fp8_share,
+        fp8_peak_flops,
+        emulated=p is not None and p.emulated,
     )
     headroom = int(headroom_fraction * device_memory_bytes) if device_memory_bytes else 0
     return PlanEstimate(
@@ -269,3 +280,30 @@ def estimate_plan(
         headroom_fraction,
         device_is_host,
     )
+
+
+def _activations(inputs: PlanInputs, m: ModelProfile, checkpointed: float) -> MemoryEstimate:
+    """The activations of one micro-batch: the profile's, or measured under the precision preset's conversion (FP8
+    with torchao, fp32-kept modules), or derived for Transformer Engine; plus the FP8 casts of one layer."""
+    args = (
+        inputs.micro_batch,
+        inputs.seq_len,
+        inputs.compute_bytes,
+        inputs.autocast,
+        inputs.activations,
+        inputs.attention,
+    )
+    p = inputs.precision
+    if p is not None and p.measure is not None:
+        measured = p.measure(inputs.loss.kind if inputs.loss is not None else "standard")(*args)
+        assert isinstance(measured, MemoryEstimate)
+        acts = measured
+    else:
+        acts = m.activations(*args)
+    tokens = inputs.micro_batch * inputs.seq_len
+    if p is not None and p.fp8 and p.measure is None and p.backend == "transformer_engine":
+        # Only the layers of blocks that keep their activations save anything (checkpointed blocks keep their input).
+        delta = te_saved_delta(p, tokens, inputs.compute_bytes)
+        acts = acts + MemoryEstimate.of([replace(delta, nbytes=int(round(delta.nbytes * (1 - checkpointed))))])
+    transient = fp8_transient_term(p, tokens) if p is not None and p.fp8 else None
+    return acts + MemoryEstimate.of([transient]) if transient is not None else acts

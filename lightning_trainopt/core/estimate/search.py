@@ -10,13 +10,14 @@ largest (fewest accumulation steps), is its row.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import product
 
 from lightning_trainopt.core.estimate.activations import ActivationPolicy
 from lightning_trainopt.core.estimate.model_states import StrategyLayout
 from lightning_trainopt.core.estimate.optimizer_state import OptimizerStateModel
 from lightning_trainopt.core.estimate.planner import PlanEstimate, PlanInputs
+from lightning_trainopt.core.estimate.precision_plan import LossPlan, PrecisionPlan
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["Candidate", "SearchSpace", "best_per_configuration", "rank_candidates", "search_plans", "simplicity"]
@@ -35,6 +36,10 @@ class SearchSpace:
         activations: preset name -> policy.
         optimizers: preset name -> state model.
         micro_batches: micro-batch sizes to try; the global batch of the base plan is held fixed.
+        precision_plans: preset name -> its model changes (FP8 layers, fp32-kept modules); a preset not in it
+            changes nothing.
+        losses: preset name -> loss, when the search chooses the loss too (``plan.search_space.loss``); empty: the
+            base plan's loss, and no ``loss`` choice.
     """
 
     precisions: Mapping[str, str]
@@ -42,6 +47,8 @@ class SearchSpace:
     activations: Mapping[str, ActivationPolicy]
     optimizers: Mapping[str, OptimizerStateModel]
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    precision_plans: Mapping[str, PrecisionPlan | None] = field(default_factory=dict)
+    losses: Mapping[str, LossPlan] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -208,11 +215,15 @@ def search_plans(
     _check_micro_batches(space.micro_batches, base)
     out: list[Candidate] = []
     n = 0
-    for (pn, prec), (sn, lay), (an, act), (on, opt), mb in product(
+    losses: dict[str | None, LossPlan | None] = {None: base.loss}
+    if space.losses:
+        losses = dict(space.losses.items())
+    for (pn, prec), (sn, lay), (an, act), (on, opt), (ln, loss), mb in product(
         space.precisions.items(),
         space.strategies.items(),
         space.activations.items(),
         space.optimizers.items(),
+        losses.items(),
         space.micro_batches,
     ):
         if global_seqs % (mb * base.world_size):
@@ -220,6 +231,8 @@ def search_plans(
         if lay.kind == "ddp" and base.world_size == 1:
             continue
         choices = {"precision": pn, "strategy": sn, "activations": an, "optimizer": on}
+        if ln is not None:
+            choices["loss"] = ln
         inputs = replace(
             base,
             trainer_precision=prec,
@@ -228,6 +241,8 @@ def search_plans(
             optimizer=opt,
             micro_batch=mb,
             accumulate=global_seqs // (mb * base.world_size),
+            precision=space.precision_plans.get(pn),
+            loss=loss,
         )
         if adam_path_for is not None:
             inputs = replace(inputs, adam_path=adam_path_for(inputs))

@@ -26,7 +26,10 @@ class SpeedEstimate:
         overhead: seconds per step of offload copies, CPU Adam, NVMe swaps and int8 compression (``None``: none
             charged, or the speed is measured).
         hfu: the hardware FLOPs utilisation assumed for ``compute_s`` (``None`` when the speed is measured).
-        peak_flops: the dense peak FLOP/s used (``None`` when unknown).
+        peak_flops: the dense peak FLOP/s used (``None`` when unknown): the compute dtype's (bf16 under FP8), which
+            the implied MFU is measured against.
+        fp8_flops_share: share of the model FLOPs in FP8-converted layers (0 without FP8).
+        fp8_peak_flops: the dense FP8 peak those FLOPs ran at (``None``: no FP8 peak, they ran at ``peak_flops``).
     """
 
     tokens_per_sec_per_device: float | None
@@ -39,6 +42,8 @@ class SpeedEstimate:
     overhead: StepOverhead | None = None
     hfu: float | None = None
     peak_flops: float | None = None
+    fp8_flops_share: float = 0.0
+    fp8_peak_flops: float | None = None
 
     def mfu(self, model_flops_per_token: float) -> float | None:
         """Model FLOPs utilisation the prediction implies: model FLOPs x tokens/s / peak (``None`` if unknown)."""
@@ -57,6 +62,9 @@ def estimate_speed(
     target_tokens: float,
     measured_tokens_per_sec_per_device: float | None = None,
     overhead: StepOverhead | None = None,
+    fp8_flops_share: float = 0.0,
+    fp8_peak_flops: float | None = None,
+    emulated: bool = False,
 ) -> SpeedEstimate:
     """Predict speed and cost.
 
@@ -76,6 +84,11 @@ def estimate_speed(
         target_tokens: tokens to train, for time and dollars to target.
         measured_tokens_per_sec_per_device: a measured figure, which wins over the FLOPs model.
         overhead: per-step seconds of offload and compression (``offload_time.estimate_step_overhead``).
+        fp8_flops_share: share of the FLOPs in FP8-converted layers: they run at ``fp8_peak_flops`` x ``hfu``, the
+            rest at ``peak_flops`` x ``hfu``.
+        fp8_peak_flops: dense FP8 peak; ``None`` (a CPU emulating FP8, a GPU without FP8 tensor cores): every FLOP at
+            ``peak_flops``, no speed-up is invented.
+        emulated: FP8 is emulated (planned for a CPU), for the source text.
 
     Raises:
         ConfigError: ``hfu`` outside (0, 1], non-positive target.
@@ -94,10 +107,17 @@ def estimate_speed(
         source = "measured tokens/s from metrics.json"
         compute, overhead, hfu_used = None, None, None
     elif peak_flops:
-        compute = tokens_per_step_per_device * train_flops_per_token / (peak_flops * hfu)
+        share = fp8_flops_share if fp8_peak_flops else 0.0
+        seconds_per_flop = (1 - share) / peak_flops + (share / fp8_peak_flops if fp8_peak_flops else 0.0)
+        compute = tokens_per_step_per_device * train_flops_per_token * seconds_per_flop / hfu
         step = overhead.step_time(compute) if overhead is not None else compute
         tps = tokens_per_step_per_device / step
         source = f"{train_flops_per_token:.3g} FLOP/token at {hfu:.0%} (HFU) of {peak_flops / 1e12:g} TFLOP/s peak"
+        if fp8_flops_share and fp8_peak_flops:
+            source += f", {fp8_flops_share:.0%} of them at the {fp8_peak_flops / 1e12:g} TFLOP/s FP8 peak"
+        elif fp8_flops_share:
+            why = "emulated in fp32 on a CPU" if emulated else "no FP8 peak for this hardware"
+            source += f"; FP8 layers ({fp8_flops_share:.0%} of the FLOPs) at that peak too: {why}, no FP8 speed-up"
         if overhead is not None and step > compute:
             source += f"; + {step - compute:.3g} s/step offload and compression"
         hfu_used = hfu
@@ -110,4 +130,17 @@ def estimate_speed(
     else:
         usd_per_1b = price_per_device_hour * n_devices * (1e9 / (tps * n_devices)) / 3600
         usd_to_target = hours * price_per_device_hour * n_devices
-    return SpeedEstimate(tps, step, usd_per_1b, hours, usd_to_target, source, compute, overhead, hfu_used, peak_flops)
+    return SpeedEstimate(
+        tps,
+        step,
+        usd_per_1b,
+        hours,
+        usd_to_target,
+        source,
+        compute,
+        overhead,
+        hfu_used,
+        peak_flops,
+        fp8_flops_share,
+        fp8_peak_flops if fp8_flops_share else None,
+    )
