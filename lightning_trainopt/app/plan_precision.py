@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_trainopt.core.estimate import ActivationPolicy, LossPlan, PrecisionPlan
+from lightning_trainopt.core.estimate.activations import loss_transient
 from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
 from lightning_trainopt.exceptions import ConfigError
 
@@ -243,9 +244,25 @@ def _measurer(
             transform=transform,
             measure_context=context,
         )
-        if not gpt or kind != "liger":
+        if not gpt or kind == "standard":
             return profile.activations
         shape: Any = module.config
+        if kind == "chunked":
+
+            def chunked(
+                micro_batch: int,
+                seq_len: int,
+                compute_bytes: int,
+                autocast: bool,
+                policy: ActivationPolicy,
+                attention: str,
+            ) -> MemoryEstimate:
+                # The measured output (the loss, a scalar) holds nothing; backward holds one chunk's logits (derived).
+                acts = profile.activations(micro_batch, seq_len, compute_bytes, autocast, policy, attention)
+                loss = LossPlan("chunked_ce", "chunked", chunk)
+                return acts + MemoryEstimate.of([loss_transient(shape, micro_batch * seq_len, compute_bytes, loss)])
+
+            return chunked
 
         def liger(
             micro_batch: int,

@@ -196,6 +196,9 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
         f"{ch.get('activations', i.activations.name)} | optimizer {i.optimizer.name} | micro-batch {i.micro_batch} x "
         f"{i.seq_len} tokens x accumulate {i.accumulate}"
     )
+    changes = _precision_line(e)
+    if changes:
+        console.print(changes)
     table = Table(title="per-device memory (GiB = 2^30 B)", show_lines=False)
     for col in ("category", "term", "formula", "phase", "device", "cpu", "nvme"):
         table.add_column(col, justify="right" if col in ("device", "cpu", "nvme") else "left")
@@ -247,9 +250,37 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
         _print_search(result, top_k, console)
     elif result.next_step:
         # A plan that does not fit is an answer, not an error (exit code 0): say what to run instead.
-        console.print(f"[red]next step:[/] {result.next_step}")
+        console.print(f"[red]next step:[/] {escape(result.next_step)}")
     elif result.command:
-        console.print(f"run it: [bold]{result.command}")
+        console.print(f"run it: [bold]{escape(result.command)}")
+
+
+def _precision_line(e: PlanEstimate) -> str:
+    """What the precision preset and the loss change, in words (empty when nothing)."""
+    i, p = e.inputs, e.inputs.precision
+    parts = []
+    if p is not None and p.backend is not None:
+        how = f"{p.backend} {p.recipe}" + (", emulated in fp32 (no FP8 speed-up)" if p.emulated else "")
+        share = p.fp8_weight_fraction
+        parts.append(
+            f"FP8 ({how}): {len(p.fp8_shapes)} of {len(p.linear_shapes)} linear layers converted"
+            + (f" ({share:.0%} of their weights)" if share is not None else "")
+            + f", {e.speed.fp8_flops_share:.0%} of the model FLOPs"
+        )
+    if p is not None and p.fp32_modules:
+        shown = ", ".join(p.fp32_modules[:4]) + (
+            f" and {len(p.fp32_modules) - 4} more" if len(p.fp32_modules) > 4 else ""
+        )
+        parts.append(f"kept in fp32: {shown}")
+    if p is not None:
+        parts.append(
+            "activations measured on fake tensors under the conversion"
+            if p.measure is not None
+            else "Transformer Engine's saved bytes derived per converted layer"
+        )
+    if i.loss is not None and i.loss.kind != "standard":
+        parts.append(f"loss {i.loss.name}: no logits kept")
+    return escape("; ".join(parts))
 
 
 def _flops_line(e: PlanEstimate) -> str:
@@ -271,10 +302,16 @@ def _speed_source(result: PlanResult) -> str:
         return s.source
     dtype = compute_dtype_key(i.trainer_precision, hw.name != "cpu")
     peak = hw.peak(dtype) or 0.0
-    return (
+    out = (
         f"compute at {result.hfu:.0%} (plan.hfu, of the FLOPs executed) of the {peak / 1e12:g} TFLOP/s dense {dtype} "
         "peak"
     )
+    if s.fp8_flops_share and s.fp8_peak_flops:
+        out += f", the FP8 layers' {s.fp8_flops_share:.0%} at the {s.fp8_peak_flops / 1e12:g} TFLOP/s dense fp8 peak"
+    elif s.fp8_flops_share:
+        why = "emulated in fp32 on a CPU" if i.precision is not None and i.precision.emulated else "no fp8 peak here"
+        out += f", the FP8 layers' {s.fp8_flops_share:.0%} too ({why}: no FP8 speed-up assumed)"
+    return out
 
 
 # The hardware figure each overhead item is charged with: (source key, how to print the rate).
@@ -386,7 +423,7 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
         )
     console.print(table)
     if result.command:
-        console.print(f"winner: [bold]{result.command}")
+        console.print(f"winner: [bold]{escape(result.command)}")
     else:
         i = result.estimate.inputs
         console.print(

@@ -175,6 +175,13 @@ def estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "speed_source": e.speed.source,
         "speed_measured": e.speed.source.startswith("measured"),
         "adam_path": e.inputs.adam_path,
+        # Attention kernel planned (math keeps the T x T scores), the loss after the head, the precision preset's
+        # model changes (FP8 layers, fp32-kept modules) and the share of the model FLOPs in FP8 layers.
+        "attention": e.inputs.attention,
+        "loss": e.inputs.loss.name if e.inputs.loss is not None else "standard",
+        "precision_changes": e.inputs.precision.to_dict() if e.inputs.precision is not None else None,
+        "fp8_flops_share": e.speed.fp8_flops_share,
+        "fp8_peak_tflops": e.speed.fp8_peak_flops / 1e12 if e.speed.fp8_peak_flops else None,
         "terms": [
             {
                 "category": t.category,

@@ -43,7 +43,13 @@ from lightning_trainopt.core.estimate.terms import MemoryEstimate, Term
 from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["ActivationPolicy", "compressed_bytes", "estimate_transformer_activations", "placed_bytes"]
+__all__ = [
+    "ActivationPolicy",
+    "compressed_bytes",
+    "estimate_transformer_activations",
+    "loss_transient",
+    "placed_bytes",
+]
 
 _ATTENTION = ("sdpa", "math")
 
@@ -236,7 +242,7 @@ def estimate_transformer_activations(
                 phase="backward",
             )
         )
-    terms.append(_loss_transient(cfg, bt, a, loss))
+    terms.append(loss_transient(cfg, bt, a, loss))
     # Saved activations live from the forward to their backward: the backward phase of the step.
     return MemoryEstimate.of(replace(t, phase="backward") if t.category == "activations" else t for t in terms)
 
@@ -261,8 +267,9 @@ def _head_group(
     return "final norm, lm_head input, log-softmax", f"{bt:,} tok x (8d+4+a·d+4V)", 1, tensors
 
 
-def _loss_transient(cfg: GPTConfig, bt: int, a: int, loss: LossPlan | None) -> Term:
-    """What the loss holds at once in backward: the logits and their gradient, or one chunk's."""
+def loss_transient(cfg: GPTConfig, bt: int, a: int, loss: LossPlan | None) -> Term:
+    """What the loss holds at once in backward: the logits and their gradient, or one chunk's (``bt`` tokens of one
+    micro-batch, ``a`` bytes of the compute dtype)."""
     v, d = cfg.vocab_size, cfg.d_model
     kind = "standard" if loss is None else loss.kind
     if loss is None or kind == "standard":
