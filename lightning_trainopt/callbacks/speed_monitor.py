@@ -27,6 +27,7 @@ from lightning_trainopt.callbacks._common import (
     log_metrics,
 )
 from lightning_trainopt.core.flops import SeqFlops, fit_seq_flops, transformer_flops
+from lightning_trainopt.core.fp8_flops import fp8_flops_share, fp8_linear_shapes
 from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
 from lightning_trainopt.core.model_shape import GPTConfig
 from lightning_trainopt.core.throughput import BatchSize, TrainingWindow, WindowCounts
@@ -92,6 +93,13 @@ class SpeedMonitor(Callback):
     ``log_every_n_steps`` optimizer steps, at ``max_steps`` and at the end of fit, so short runs are measured too.
     Validation inside a window (``val_check_interval``, epoch-end validation) pauses its clock, so the rates are
     training time only; the sanity check runs before the first window opens.
+
+    MFU and HFU are against the dense peak of the run's compute dtype; a mixed or FP8 run (``bf16-mixed`` with FP8
+    layers, Lightning's ``transformer-engine``) is measured against the **bf16** dense peak, FP8 layers included, so
+    an FP8 run and a bf16 run compare on one scale (an FP8 run can pass 100% of bf16's peak). ``fp8_flops_share`` is
+    the share of the step's model FLOPs in the FP8 linear layers found in the model (torchao's ``Float8Linear``,
+    Transformer Engine's ``Linear``): ``6 x out x in`` per token each; logged as ``throughput/fp8_flops_share`` when
+    there are any, and in the summary (0 without).
 
     Each ``fit`` is measured afresh, unless the Trainer restored this callback from a checkpoint for that fit
     (``ckpt_path``): then the fit continues the checkpointed run. The checkpoint holds the closed windows' totals,
@@ -162,6 +170,9 @@ class SpeedMonitor(Callback):
         self._spec: HardwareSpec | None = None
         self._peak: float | None = None
         self._dtype = "fp32"
+        self._peak_dtype = "fp32"
+        self._fp8_shapes: tuple[tuple[int, int], ...] = ()
+        self._fp8_share: float | None = None
         self._start_step = 0
         self._world_size = 1
         self._recompute = 0.0
@@ -192,11 +203,14 @@ class SpeedMonitor(Callback):
         self._spec = spec if isinstance(spec, HardwareSpec) else hardware_spec(spec or "auto")
         on_gpu = trainer.strategy.root_device.type == "cuda"
         self._dtype = compute_dtype_key(str(trainer.precision), on_gpu, torch.get_float32_matmul_precision())
-        self._peak = self.peak_tflops * 1e12 if self.peak_tflops else self._spec.peak(self._dtype)
+        # FP8 runs are measured against the bf16 dense peak (Lightning's transformer-engine precision maps to fp8).
+        self._peak_dtype = "bf16" if self._dtype == "fp8" else self._dtype
+        self._peak = self.peak_tflops * 1e12 if self.peak_tflops else self._spec.peak(self._peak_dtype)
         if self._peak is None:
             rank_zero_info(
-                f"SpeedMonitor: MFU/HFU omitted: no peak FLOP/s known for {self._spec.name} in {self._dtype}; "
-                f"pass SpeedMonitor(peak_tflops=...), or with train.py +hardware.peak_tflops.{self._dtype}=<TFLOP/s>."
+                f"SpeedMonitor: MFU/HFU omitted: no peak FLOP/s known for {self._spec.name} in {self._peak_dtype}; "
+                f"pass SpeedMonitor(peak_tflops=...), or with train.py +hardware.peak_tflops.{self._peak_dtype}="
+                "<TFLOP/s>."
             )
 
     @override
@@ -209,6 +223,9 @@ class SpeedMonitor(Callback):
             else _recompute_from_callbacks(trainer, n_blocks)
         )
         self._recompute = checkpointed_fraction(pl_module, n_blocks) if recompute is None else recompute
+        # The precision plugin converts the model before training starts: its FP8 layers are in place now.
+        self._fp8_shapes = fp8_linear_shapes(pl_module)
+        self._fp8_share = None
         self._edge.reset(trainer)
         self._start_step = trainer.global_step
         self._world_size = trainer.world_size
@@ -319,6 +336,9 @@ class SpeedMonitor(Callback):
         flops = self._batch_flops(trainer, pl_module, batch, count.shape)  # before the clock: counting is not timed
         self._window.start()
         model, hardware = flops if flops is not None else (None, None)
+        if model and count.shape is not None and count.shape.seq_len is not None:
+            # Over the positions the model computes (samples x length), as its FLOPs are counted.
+            self._fp8_share = fp8_flops_share(self._fp8_shapes, count.shape.samples * count.shape.seq_len, model)
         self._window.add(count.samples, count.tokens, model, hardware)
 
     @override
@@ -349,6 +369,8 @@ class SpeedMonitor(Callback):
         self._total += counts
         rates = counts.rates(trainer.world_size, self._peak)
         metrics = {f"throughput/{k}": v for k, v in rates.to_dict().items() if v is not None and k != "seconds"}
+        if self._fp8_shapes and self._fp8_share is not None:
+            metrics["throughput/fp8_flops_share"] = self._fp8_share
         log_metrics(trainer, metrics)
 
     @override
@@ -367,8 +389,10 @@ class SpeedMonitor(Callback):
         Keys: the rates of :class:`~lightning_trainopt.core.throughput.ThroughputWindow`, ``seconds``, ``samples``,
         ``tokens``, ``flops_per_token``, ``dtype``, ``peak_tflops``, ``peak_source``, ``hardware``,
         ``flops_source`` (analytic formula, flops_per_batch_fn, flop counter or unknown), ``flops_fit`` (the fitted
-        ``c, a, b``, lengths and call, flop counter only), ``flops_note`` (why FLOPs are unknown) and
-        ``recompute_fraction``.
+        ``c, a, b``, lengths and call, flop counter only), ``flops_note`` (why FLOPs are unknown),
+        ``recompute_fraction``, ``peak_dtype`` (the dtype whose dense peak MFU/HFU are against: bf16 for mixed and FP8
+        runs), ``mfu_note`` (how to read MFU when FP8 layers ran), ``fp8_layers`` and ``fp8_flops_share`` (the
+        share of the model FLOPs in FP8 layers; 0 without any, ``None`` when FLOPs are unknown).
         """
         t = self._total
         known = bool(t.model_flops)
@@ -383,6 +407,14 @@ class SpeedMonitor(Callback):
             "flops_fit": self._fit.to_dict() if self._fit is not None else None,
             "flops_note": self._flops_note,
             "recompute_fraction": self._recompute,
+            "peak_dtype": self._peak_dtype,
+            "fp8_layers": len(self._fp8_shapes),
+            "fp8_flops_share": (self._fp8_share if self._fp8_shapes else 0.0) if known else None,
+            "mfu_note": (
+                f"MFU and HFU are against the dense {self._peak_dtype} peak; the FP8 layers' FLOPs count at it too"
+                if self._fp8_shapes or self._dtype == "fp8"
+                else None
+            ),
             "seconds": t.seconds,
             "samples": t.samples,
             "tokens": t.tokens,
