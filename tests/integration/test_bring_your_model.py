@@ -224,3 +224,27 @@ def test_hf_gpt2_on_padded_user_batches_under_sharding_with_int8_activations(tmp
     assert {name: m["status"] for name, m in runs.items()} == {"zero3": "ok", "fsdp": "ok"}
     assert {name: m["n_params"] for name, m in runs.items()} == dict.fromkeys(runs, _hf_params(file))
     assert all(m["model"] == "gpt2" and math.isfinite(m["val_loss"]) for m in runs.values())
+
+
+@pytest.mark.slow
+def test_the_zero3_checkpoint_of_an_hf_model_converts_to_a_save_pretrained_directory(llama_sweep, tmp_path):
+    """trainopt-convert-zero on the 2-process ZeRO-3 run's checkpoint: a plain state dict with the Hugging Face
+    model's own keys, and with --hf-dir a directory that from_pretrained loads (offline, every weight)."""
+    import torch
+    import transformers
+
+    from lightning_trainopt.app.convert import convert_zero_to_fp32
+
+    config_file, runs = llama_sweep
+    sweep = config_file.parents[1] / "sweep"
+    jobs = [p.parent for p in sweep.glob("*/metrics.json") if json.loads(p.read_text())["zero_stage"] == 3]
+    assert len(jobs) == 1
+    state = convert_zero_to_fp32(jobs[0] / "checkpoints" / "last.ckpt", tmp_path / "llama.pt", hf_dir=tmp_path / "hf")
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(state)
+    assert all(t.dtype == torch.float32 for t in state.values())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert sum(p.numel() for p in loaded.parameters()) == runs["zero3"]["n_params"]
+    for name, p in loaded.state_dict().items():
+        assert torch.equal(p, state[name]), name
+    # Trained from the model's own N(0, 0.02) init, a few steps: not torch's N(0, 1) embedding default.
+    assert 0.015 < float(state["model.embed_tokens.weight"].std()) < 0.03
