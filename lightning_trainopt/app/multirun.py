@@ -127,8 +127,14 @@ def teardown_distributed() -> None:
     """Leave no process group behind: Hydra multirun runs the next job in this same process.
 
     DeepSpeed caches its process groups in module globals; its own ``destroy_process_group`` releases them
-    too, otherwise the next DeepSpeed job of a sweep fails with "Group ... is not registered".
+    too, otherwise the next DeepSpeed job of a sweep fails with "Group ... is not registered". ZeRO-3 also
+    counts modules and parameters in process-wide state, which this process would carry into the next job while the
+    ranks Lightning starts for it count from zero (``strategies.deepspeed.reset_zero3_counters``).
     """
+    if "deepspeed" in sys.modules:
+        from lightning_trainopt.strategies.deepspeed import reset_zero3_counters
+
+        reset_zero3_counters()
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     ds_comm = sys.modules.get("deepspeed.comm")

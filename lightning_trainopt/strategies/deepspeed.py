@@ -79,6 +79,25 @@ def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
     return cpu_adam
 
 
+def reset_zero3_counters() -> None:
+    """Reset the process-wide counters ZeRO-3 numbers modules and parameters with (deepspeed 0.19).
+
+    ``DeepSpeedZeRoOffload._register_deepspeed_module`` numbers modules (``ds_id``) from a mutable default argument,
+    and ``zero.Init`` numbers parameters and counts persisted ones in class attributes. A Hydra sweep runs its jobs
+    in one rank-0 process but starts fresh processes for the other ranks, so without this the second ZeRO-3 job of a
+    sweep fails in its first step: "Detected a disagreement on list contents between rank0 and rank1 ... rank0: [30]
+    rank1: [0]" (the module order check of ``PartitionedParameterCoordinator.reset_step``).
+    """
+    from deepspeed.runtime.zero import parameter_offload, partition_parameters
+
+    defaults = getattr(parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module, "__defaults__", None)
+    if defaults and isinstance(defaults[0], list) and defaults[0]:
+        defaults[0][0] = 0
+    for name in ("param_id", "num_persisted_parameters", "num_persisted_elements"):
+        if isinstance(getattr(partition_parameters.Init, name, None), int):
+            setattr(partition_parameters.Init, name, 0)
+
+
 #: The attribute by which a module built inside ``zero.Init`` says that its weights are final (loaded, not drawn).
 INITIALIZED_MARK = "_trainopt_initialized"
 
