@@ -135,7 +135,15 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
     """
     kind = model_kind(cfg.model)
     compile_model = bool(cfg.get("compile", False))
+    loss = head_loss(cfg)
     if kind == "module":
+        if loss is not None:
+            raise ConfigError(
+                "loss",
+                type(loss).__name__,
+                "applies to our model presets and model=hf; a LightningModule of yours computes its own loss: use "
+                "loss=standard (or call lightning_trainopt.techniques.chunked_loss.ChunkedLMHeadLoss in it).",
+            )
         user_module_class(str(cfg.model._target_))
         module = instantiate(cfg.model)
         module = _with_app_optimizers(module, cfg)
@@ -145,16 +153,29 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
     spec = instantiate(cfg.model)
     if kind == "hf":
         assert isinstance(spec, HFModelConfig)
-        return LitCausalLM(spec, optimizer=optimizer, scheduler=scheduler, compile_model=compile_model)
+        return LitCausalLM(spec, optimizer=optimizer, scheduler=scheduler, compile_model=compile_model, loss=loss)
     assert isinstance(spec, GPTConfig)
-    return LitGPT(spec, optimizer=optimizer, scheduler=scheduler, compile_model=compile_model)
+    return LitGPT(spec, optimizer=optimizer, scheduler=scheduler, compile_model=compile_model, loss=loss)
+
+
+def head_loss(cfg: DictConfig) -> Any:
+    """The ``loss`` group's head + cross-entropy callable, or ``None`` for ``loss=standard`` (an empty node).
+
+    Raises:
+        ConfigError: a loss that cannot run here (``loss=liger`` without CUDA or Liger-Kernel), from its constructor.
+    """
+    node = cfg.get("loss")
+    if not node or "_target_" not in node:
+        return None
+    return instantiate(node)
 
 
 def meta_module(cfg: DictConfig) -> torch.nn.Module:
     """The LightningModule of ``cfg`` with its model built on the ``meta`` device: shapes and dtypes, no memory.
 
     ``configure_model`` runs under ``torch.device("meta")`` (a user's module that builds its model in ``__init__`` is
-    built there too), without ``compile``: a planner reads parameters and traces the forward on fake tensors.
+    built there too), without ``compile`` and the ``loss`` group: a planner reads parameters and traces the forward
+    on fake tensors.
 
     Args:
         cfg: the composed config of ``conf/train.yaml`` or ``conf/plan.yaml``.
@@ -164,6 +185,8 @@ def meta_module(cfg: DictConfig) -> torch.nn.Module:
     uncompiled = cfg.copy()
     with open_dict(uncompiled):
         uncompiled.compile = False
+        # The planner counts the loss itself; building it could need this machine to run it (loss=liger: CUDA).
+        uncompiled.loss = None
     with torch.device("meta"):
         module = build_lightning_module(uncompiled)
         module.configure_model()

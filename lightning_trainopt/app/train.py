@@ -34,6 +34,7 @@ from lightning_trainopt.app.validate import validate_config
 from lightning_trainopt.callbacks import NonFiniteGuard, ResumableCheckpoint
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models import LitGPT
 from lightning_trainopt.precision import trainer_precision_kwargs
 from lightning_trainopt.strategies.report import StrategyReport
 
@@ -192,6 +193,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(datamodule, "check_source"):
         datamodule.check_source()
     module = build_lightning_module(cfg)
+    _document_attention(module, datamodule)
     check_vocab(model_vocab_size(module), data_vocab_size(datamodule), _vocab_key(cfg))
     # The module's own count once built (a user's module may build its model in __init__), else its meta copy's.
     n_params = count_params(module) or count_params(meta_module(cfg))
@@ -297,6 +299,21 @@ def metrics_json(metrics: dict[str, Any]) -> str:
     most dashboards) reject.
     """
     return json.dumps(_finite(metrics), indent=2, default=str, allow_nan=False)
+
+
+def _document_attention(module: pl.LightningModule, datamodule: Any) -> None:
+    """``data.document_attention=true``: our GPT masks attention at the data's EOS ids (refused for other models)."""
+    if not getattr(datamodule, "document_attention", False):
+        return
+    if not isinstance(module, LitGPT):
+        raise ConfigError(
+            "data.document_attention",
+            True,
+            f"masking attention at document boundaries is built into our model presets, not {type(module).__name__}; "
+            "use a gpt_* / llama_* model preset or data.document_attention=false.",
+        )
+    module.document_eos = int(datamodule.eos_id)
+    rank_zero_info(f"data.document_attention: attention stays inside documents (EOS id {module.document_eos}).")
 
 
 def _micro_batch(cfg: DictConfig, datamodule: Any) -> int | None:

@@ -36,6 +36,8 @@ class TokenizedDataModule(pl.LightningDataModule):
         num_workers, pin_memory, prefetch_factor, persistent_workers: DataLoader knobs; ``pin_memory`` only
             takes effect on CUDA.
         seed: seed of the training shuffle (epoch ``e`` is shuffled with ``seed + e``).
+        document_attention: attention stays inside each packed document (the model masks across the EOS ids; our
+            GPT presets: ``model.attention``'s kernel with a document mask, or flash-attn's variable-length kernel).
 
     Attributes:
         vocab_size: token ids the model needs (the manifest's: the tokenizer's largest id + 1).
@@ -61,8 +63,12 @@ class TokenizedDataModule(pl.LightningDataModule):
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
         seed: int = 1234,
+        document_attention: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(document_attention, bool):
+            raise ConfigError("data.document_attention", document_attention, "use true or false.")
+        self.document_attention = document_attention
         if not isinstance(path, (str, Path)) or not str(path):
             raise ConfigError(
                 "data.path", path, "data=tokenized needs data.path=DIR, a directory written by prepare.py."

@@ -13,12 +13,29 @@ from typing_extensions import override
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
-from lightning_trainopt.models.lit_lm import LitLanguageModel
+from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
 from lightning_trainopt.models.optimization import OptimizerFactory
+from lightning_trainopt.techniques.chunked_loss import head_returns_loss
 
 __all__ = ["LitCausalLM"]
 
 IGNORE_INDEX = -100  # Hugging Face's (and torch's cross_entropy's) label of a position without a target
+
+
+#: Config fields of architectures whose logits are changed after the output head (Gemma 2's soft-capping, Cohere's
+#: and Granite's scaling): a loss that applies the head itself would skip that.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _check_plain_logits(hf_config: Any, loss: Any) -> None:
+    for field in _LOGIT_POSTPROCESSING:
+        if getattr(hf_config, field, None) not in (None, 1, 1.0):
+            raise ConfigError(
+                "loss",
+                type(loss).__name__,
+                f"{hf_config.model_type} changes its logits after the head ({field}="
+                f"{getattr(hf_config, field)}), which this loss would skip; use loss=standard for this model.",
+            )
 
 
 def _zero3_building(module: LitLanguageModel) -> bool:
@@ -103,11 +120,14 @@ class LitCausalLM(LitLanguageModel):
         optimizer: OptimizerFactory | None = None,
         scheduler: Callable[..., Any] | None = None,
         compile_model: bool = False,
+        loss: HeadLoss | None = None,
     ) -> None:
-        super().__init__(optimizer, scheduler, compile_model)
+        super().__init__(optimizer, scheduler, compile_model, loss)
         self.spec = model if isinstance(model, HFModelConfig) else HFModelConfig(**model)
         self.hf_config = self.spec.load()
         self.hf_config.use_cache = False
+        if loss is not None:
+            _check_plain_logits(self.hf_config, loss)
         self.save_hyperparameters({"model": asdict(self.spec), "compile_model": compile_model})
 
     @property
@@ -159,10 +179,28 @@ class LitCausalLM(LitLanguageModel):
         assert self.model is not None
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
 
+    def _head_loss(self, input_ids: torch.Tensor, mask: torch.Tensor | None, shift: bool, targets: torch.Tensor) -> Any:
+        """The configured head + loss on the backbone's last hidden states (``shift``: drop the last position)."""
+        model: Any = self.model
+        assert model is not None
+        assert self.head_loss is not None
+        head = model.get_output_embeddings()
+        if not self.compile_model:
+            # The model's forward computes the loss where it would compute the logits (see head_returns_loss): inside
+            # the head's call and inside the FSDP2 unit that holds it.
+            with head_returns_loss(head, self.head_loss, targets, shift):
+                return model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        # Compiled in place, the forward's graph holds the head: run the backbone and the head loss after it.
+        out = model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.head_loss(head, hidden[:, :-1] if shift else hidden, targets)
+
     @override
     def batch_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | int]:
         if not isinstance(batch, dict):
             x, y = batch
+            if self.head_loss is not None:
+                return self._head_loss(x, None, False, y), y.numel()
             logits = self(x).logits
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.reshape(-1)), y.numel()
         input_ids = batch["input_ids"]
@@ -170,6 +208,9 @@ class LitCausalLM(LitLanguageModel):
         labels = batch.get("labels")
         if labels is None:
             labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        # Position t predicts label t + 1: the first label of each row is predicted by nothing.
+        tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        if self.head_loss is not None:
+            return self._head_loss(input_ids, mask, True, labels[:, 1:]), tokens
         out = self(input_ids, attention_mask=mask, labels=labels)
-        # The model shifts the labels by one: the first position of each row predicts nothing.
-        return out.loss, (labels[:, 1:] != IGNORE_INDEX).sum()
+        return out.loss, tokens

@@ -19,8 +19,10 @@ from lightning_trainopt.core.schedules import (
 )
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.gpt import GPT
-from lightning_trainopt.models.lit_lm import LitLanguageModel
+from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
 from lightning_trainopt.models.optimization import OptimizerFactory
+from lightning_trainopt.techniques.attention import document_ids
+from lightning_trainopt.techniques.chunked_loss import head_returns_loss
 
 __all__ = ["LitGPT", "warmup_cosine"]
 
@@ -59,6 +61,7 @@ class LitGPT(LitLanguageModel):
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
         compile_model: ``torch.compile`` the inner model (never the LightningModule: ``self.log`` cannot be traced).
+        loss: the head + cross-entropy callable of ``conf/loss`` (``None``: the logits and ``F.cross_entropy``).
 
     Example::
 
@@ -71,8 +74,9 @@ class LitGPT(LitLanguageModel):
         optimizer: OptimizerFactory | None = None,
         scheduler: Callable[..., Any] | None = None,
         compile_model: bool = False,
+        loss: HeadLoss | None = None,
     ) -> None:
-        super().__init__(optimizer, scheduler, compile_model)
+        super().__init__(optimizer, scheduler, compile_model, loss)
         self.config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
         self.save_hyperparameters({"model": asdict(self.config), "compile_model": compile_model})
 
@@ -94,12 +98,26 @@ class LitGPT(LitLanguageModel):
         return cast(GPT, getattr(self.model, "_orig_mod", self.model))
 
     @override
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """Logits, or the hidden states before ``lm_head`` (see ``GPT.forward``)."""
         assert self.model is not None
-        return self.model(idx)
+        if doc_ids is None and not return_hidden:
+            return self.model(idx)  # type: ignore[no-any-return]
+        return self.model(idx, doc_ids=doc_ids, return_hidden=return_hidden)  # type: ignore[no-any-return]
 
     @override
     def batch_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch
-        logits = self(x)
+        doc = None if self.document_eos is None else document_ids(x, self.document_eos)
+        if self.head_loss is not None and self.compile_model:
+            # The compiled graph holds the head's forward: apply the head loss to the hidden states it returns.
+            hidden = self(x, doc_ids=doc, return_hidden=True)
+            return self.head_loss(self.gpt.lm_head, hidden, y), y.numel()
+        if self.head_loss is not None:
+            # The model's forward computes the loss where it would compute the logits (see head_returns_loss).
+            with head_returns_loss(self.gpt.lm_head, self.head_loss, y):
+                return self(x, doc_ids=doc), y.numel()
+        logits = self(x, doc_ids=doc)
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1)), y.numel()

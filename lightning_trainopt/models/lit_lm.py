@@ -13,7 +13,10 @@ from typing_extensions import override
 
 from lightning_trainopt.models.optimization import OptimizerFactory, configure_optimizers, decay_param_groups
 
-__all__ = ["LitLanguageModel"]
+__all__ = ["HeadLoss", "LitLanguageModel"]
+
+#: ``loss(head, hidden, targets) -> mean loss``: the output head and the cross-entropy in one (``conf/loss``).
+HeadLoss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LitLanguageModel(pl.LightningModule):
@@ -27,6 +30,9 @@ class LitLanguageModel(pl.LightningModule):
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
         compile_model: ``torch.compile`` the inner model (never the LightningModule: ``self.log`` cannot be traced).
+        loss: the output head + cross-entropy as one callable ``loss(head, hidden, targets)``
+            (``techniques.chunked_loss.ChunkedLMHeadLoss``, ``techniques.liger_loss.LigerLMHeadLoss``); ``None``: the
+            model's own logits and cross-entropy.
 
     Example::
 
@@ -43,8 +49,12 @@ class LitLanguageModel(pl.LightningModule):
         optimizer: OptimizerFactory | None = None,
         scheduler: Callable[..., Any] | None = None,
         compile_model: bool = False,
+        loss: HeadLoss | None = None,
     ) -> None:
         super().__init__()
+        self.head_loss = loss
+        #: The data's end-of-document token: attention stays inside each packed document (``data.document_attention``).
+        self.document_eos: int | None = None
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile_model = compile_model

@@ -13,7 +13,8 @@ strategy's hooks gather the weight for forward and again for backward, exactly a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["ChunkedLMHeadLoss", "chunked_cross_entropy", "head_weight", "run_in_head_call"]
+__all__ = ["ChunkedLMHeadLoss", "chunked_cross_entropy", "head_returns_loss", "head_weight", "run_in_head_call"]
 
 #: Tokens per chunk: 1024 tokens x 128k vocabulary = 0.5 GiB of fp32 logits at a time.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -158,6 +159,36 @@ def run_in_head_call(head: nn.Module, fn: Callable[[torch.Tensor, torch.Tensor],
             head.forward = own  # type: ignore[method-assign]
 
 
+@contextmanager
+def head_returns_loss(head: nn.Module, loss: Any, targets: torch.Tensor, shift: bool = False) -> Iterator[None]:
+    """While inside, calling ``head(hidden)`` returns ``loss.compute(head, hidden, targets)`` instead of logits.
+
+    The model's own forward then computes the loss where it would compute the logits: inside the head's call (ZeRO-3
+    gathers its weight) and inside the forward of the FSDP2 unit that holds it (its root unit is unsharded there; a
+    loss computed after the model's forward would meet the head's weight sharded again). The forward's "logits" are
+    the scalar loss.
+
+    Args:
+        head: the output head module.
+        loss: a head loss with ``compute(head, hidden, targets)`` (:class:`ChunkedLMHeadLoss`, ``LigerLMHeadLoss``).
+        targets: the target ids of the positions the head sees.
+        shift: drop the head input's last position first (Hugging Face batches: position t predicts label t + 1).
+    """
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        return loss.compute(head, hidden[:, :-1] if shift else hidden, targets)  # type: ignore[no-any-return]
+
+    own = head.__dict__.get("forward")
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own  # type: ignore[method-assign]
+
+
 class ChunkedLMHeadLoss:
     """Run :func:`chunked_cross_entropy` through an output head module's own call (``loss(head, hidden, targets)``).
 
@@ -180,11 +211,13 @@ class ChunkedLMHeadLoss:
         self.chunk_tokens = chunk_tokens
         self.ignore_index = ignore_index
 
+    def compute(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss from the head's parameters as they are (call it where they are gathered: inside the head's call)."""
+        bias = getattr(head, "bias", None)
+        return chunked_cross_entropy(
+            hidden, head_weight(head, self.name), targets, bias, self.chunk_tokens, self.ignore_index
+        )
+
     def __call__(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head_weight(head, self.name)
-
-        def forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            bias = getattr(head, "bias", None)
-            return chunked_cross_entropy(h, head_weight(head, self.name), t, bias, self.chunk_tokens, self.ignore_index)
-
-        return run_in_head_call(head, forward, hidden, targets)  # type: ignore[no-any-return]
+        return run_in_head_call(head, lambda h, t: self.compute(head, h, t), hidden, targets)  # type: ignore[no-any-return]

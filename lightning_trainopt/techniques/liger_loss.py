@@ -50,11 +50,11 @@ class LigerLMHeadLoss:
         self.ignore_index = ignore_index
         self._loss = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index)
 
+    def compute(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss from the head's parameters as they are (call it where they are gathered: inside the head's call)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return self._loss(head_weight(head, self.name), flat, targets.reshape(-1), getattr(head, "bias", None))  # type: ignore[no-any-return]
+
     def __call__(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head_weight(head, self.name)
-
-        def forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            flat = h.reshape(-1, h.shape[-1])
-            return self._loss(head_weight(head, self.name), flat, t.reshape(-1), getattr(head, "bias", None))
-
-        return run_in_head_call(head, forward, hidden, targets)  # type: ignore[no-any-return]
+        return run_in_head_call(head, lambda h, t: self.compute(head, h, t), hidden, targets)  # type: ignore[no-any-return]
