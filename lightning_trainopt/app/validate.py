@@ -400,6 +400,10 @@ def validate_config(cfg: DictConfig) -> None:
     kind = model_kind(cfg.model)
     if kind == "gpt":
         _check_gpt(cfg.data, cfg.model)
+        if accelerator in ("cpu", "gpu"):  # not for a plan of other hardware
+            from lightning_trainopt.techniques.attention import check_attention
+
+            check_attention(str(cfg.model.get("attention", "sdpa")), on_cuda=accelerator == "gpu")
     elif kind == "hf":
         _check_hf(cfg.data, cfg.model, accelerator, cfg.get("strategy"))
     if cfg.get("hardware"):

@@ -42,3 +42,18 @@ def test_the_hidden_states_are_what_the_head_takes():
 def test_an_unknown_kernel_names_the_key():
     with pytest.raises(ConfigError, match="model.attention"):
         GPTConfig(**SHAPE, attention="flash2")
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "cudnn", "flash_attn"])
+def test_a_cuda_kernel_is_refused_before_training_on_a_cpu(tmp_path, kernel):
+    from lightning_trainopt.app.validate import validate_config
+    from tests.helpers.compose import compose_config
+
+    cfg = compose_config([f"model.attention={kernel}", "trainer.accelerator=cpu"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == "model.attention"
+    # A plan for GPU hardware is not refused here.
+    from lightning_trainopt.app.plan import plan
+
+    assert plan(compose_config([f"model.attention={kernel}", "hardware=h100"], tmp_path, name="plan")).estimate
