@@ -196,7 +196,8 @@ def _demo_overrides(cfg: GPTConfig) -> list[str]:
 
 def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
     """The planner's activation bytes (``plan(cfg)`` on ``hardware=cpu``) for ``precision=fp8`` (torchao, emulated,
-    every layer divisible by 16 converted) or ``bf16``, with ``loss=standard`` or ``chunked_ce``."""
+    every layer divisible by 16 converted), ``bf16``, or ``bf16_keep_fp32`` (bf16 with ``keep_fp32=[RMSNorm,
+    lm_head]``), with ``loss=standard`` or ``chunked_ce``."""
     from lightning_trainopt.app.plan import plan
 
     overrides = [
@@ -210,6 +211,9 @@ def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: in
     ]
     if precision == "fp8":
         overrides.append("precision.skip_small=false")
+    if precision == "bf16_keep_fp32":  # bf16 with the head and every RMSNorm kept in fp32
+        overrides[overrides.index(f"precision={precision}")] = "precision=bf16"
+        overrides.append("+precision.keep_fp32=[RMSNorm,lm_head]")
     est = plan(_plan_cfg(overrides)).estimate
     return est.memory.bytes("activations")
 
@@ -217,7 +221,7 @@ def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: in
 def measure_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
     """Saved-for-backward bytes of one real CPU forward and loss of the same model: torchao's real conversion
     (``precision.convert.convert_model``, emulated on CPU) and ``ChunkedLMHeadLoss`` on the hidden states."""
-    from lightning_trainopt.precision import FP8PrecisionSpec, convert_model
+    from lightning_trainopt.precision import FP8PrecisionSpec, PrecisionSpec, convert_model
     from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
     from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
 
@@ -226,6 +230,9 @@ def measure_variant(precision: str, loss: str, policy_name: str, micro_batch: in
     if precision == "fp8":
         spec = FP8PrecisionSpec(name="fp8", trainer_precision="bf16-mixed", skip_small=False)
         convert_model(model, spec, emulate=True, fsdp=False)
+    if precision == "bf16_keep_fp32":
+        kept = PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=["RMSNorm", "lm_head"])
+        convert_model(model, kept, emulate=False, fsdp=False)
     policy = POLICIES[policy_name]
     if policy.checkpoint_every:
         apply_activation_checkpointing(model, CheckpointPolicy(every_k=policy.checkpoint_every))
@@ -258,7 +265,13 @@ def _hidden(model: GPT, x: torch.Tensor) -> torch.Tensor:
 
 
 def variant_rows(quick: bool = False) -> list[dict[str, Any]]:
-    cases = [("fp8", "standard"), ("bf16", "chunked_ce"), ("fp8", "chunked_ce")]
+    cases = [
+        ("bf16", "standard"),
+        ("fp8", "standard"),
+        ("bf16", "chunked_ce"),
+        ("fp8", "chunked_ce"),
+        ("bf16_keep_fp32", "standard"),
+    ]
     policies = ["none"] if quick else ["none", "checkpoint"]
     shapes = [(2, 128)] if quick else [(2, 128), (4, 256)]
     rows = []

@@ -386,9 +386,11 @@ def _print_host(e: PlanEstimate, hw: HardwareSpec, console: Console) -> None:
 
 def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
     n_fit = len(result.candidates)
+    with_loss = any("loss" in c.choices for c in result.candidates)
     table = Table(
         title=f"search: {n_fit} configuration{'s' * (n_fit != 1)} fit ({result.n_enumerated} estimates of precision x "
-        f"strategy x activations x optimizer x micro-batch); top {min(top_k, n_fit)}, each at its best micro-batch"
+        f"strategy x activations x optimizer{' x loss' if with_loss else ''} x micro-batch); top {min(top_k, n_fit)}, "
+        "each at its best micro-batch"
     )
     for col in (
         "#",
@@ -396,6 +398,7 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
         "strategy",
         "activations",
         "optimizer",
+        *(("loss",) if with_loss else ()),
         "mb x acc",
         "peak GiB/dev",
         "margin GiB",
@@ -413,6 +416,7 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             c.choices["strategy"],
             c.choices["activations"],
             c.choices["optimizer"],
+            *((c.choices.get("loss", ""),) if with_loss else ()),
             f"{e.inputs.micro_batch} x {e.inputs.accumulate}",
             _g(e.peak_device_bytes),
             "-" if e.margin_bytes is None else f"{e.margin_bytes / _GIB:,.2f}",

@@ -43,11 +43,16 @@ def test_activation_bytes_within_10_percent(precision, policy, b, t):
 
 @pytest.mark.parametrize(
     ("precision", "loss", "policy"),
-    [("fp8", "standard", "none"), ("bf16", "chunked_ce", "checkpoint"), ("fp8", "chunked_ce", "none")],
+    [
+        ("fp8", "standard", "none"),
+        ("bf16", "chunked_ce", "checkpoint"),
+        ("fp8", "chunked_ce", "none"),
+        ("bf16_keep_fp32", "standard", "none"),
+    ],
 )
 def test_fp8_and_chunked_loss_activation_bytes_within_10_percent(precision, loss, policy):
-    # plan.py on hardware=cpu (torchao emulates FP8) against a real CPU forward with the real conversion and
-    # ChunkedLMHeadLoss (bench/RESULTS.md: equal to the byte).
+    # plan.py on hardware=cpu (torchao emulates FP8) against a real CPU forward with the real conversion, fp32-kept
+    # modules and ChunkedLMHeadLoss (bench/RESULTS.md: equal to the byte).
     pytest.importorskip("torchao")
     acc = _load("planner_accuracy")
     predicted = acc.predict_variant(precision, loss, policy, 2, 128)

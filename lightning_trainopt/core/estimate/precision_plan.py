@@ -94,9 +94,9 @@ class PrecisionPlan:
             "backend": self.backend,
             "recipe": self.recipe,
             "emulated": self.emulated,
-            "fp8_layers": len(self.fp8_shapes),
-            "linear_layers": len(self.linear_shapes),
-            "fp8_weight_fraction": self.fp8_weight_fraction,
+            "fp8_layers": len(self.fp8_shapes) if self.backend else None,
+            "linear_layers": len(self.linear_shapes) if self.backend else None,
+            "fp8_weight_fraction": self.fp8_weight_fraction if self.backend else None,
             "fp32_modules": list(self.fp32_modules),
             "activations": "measured (fake tensors, real conversion)" if self.measure is not None else "derived",
         }

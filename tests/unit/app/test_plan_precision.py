@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +146,30 @@ def test_loss_node_to_plan():
     assert liger.kind == "liger"
     with pytest.raises(ConfigError, match="loss._target_"):
         loss_plan(OmegaConf.create({"_target_": "pkg.FocalLoss"}))
+
+
+_LOSS_PRESET = Path(__file__).resolve().parents[3] / "conf" / "loss" / "chunked_ce.yaml"
+
+
+@pytest.mark.skipif(not _LOSS_PRESET.is_file(), reason="the conf/loss presets are not in this tree")
+def test_search_chooses_the_loss_and_writes_it(tmp_path):
+    # 4,096 tokens per micro-batch, more than the preset's 1,024-token chunks, at an 8,192 vocabulary: the chunked
+    # loss holds a quarter of the logits (fewer tokens than one chunk would hold more, and lose).
+    shape = ["model=gpt_tiny", "model.vocab_size=8192", "data.seq_len=512", "data.batch_size=8"]
+    overrides = [
+        *shape,
+        "hardware=h100",
+        "plan.search=true",
+        "plan.search_space.precision=[bf16]",
+        "+plan.search_space.loss=[standard,chunked_ce]",
+        "plan.search_space.strategy=[ddp]",
+        "plan.search_space.activations=[none]",
+        "plan.search_space.optimizer=[adamw]",
+        "plan.search_space.micro_batch=[8]",
+    ]
+    result = plan(compose_config(overrides, tmp_path, name="plan"))
+    assert {c.choices["loss"] for c in result.candidates} == {"standard", "chunked_ce"}
+    winner = result.winner
+    assert winner is not None
+    assert winner.choices["loss"] == "chunked_ce"  # the same price, more memory left
+    assert "loss=chunked_ce" in result.command
