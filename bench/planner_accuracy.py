@@ -219,49 +219,82 @@ def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: in
 
 
 def measure_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
-    """Saved-for-backward bytes of one real CPU forward and loss of the same model: torchao's real conversion
-    (``precision.convert.convert_model``, emulated on CPU) and ``ChunkedLMHeadLoss`` on the hidden states."""
+    """Saved-for-backward bytes of one real CPU training step of the same model as ``train.py`` runs it: ``LitGPT``
+    with ``loss=chunked_ce``'s ``ChunkedLMHeadLoss`` (computed inside the head's call), the precision plugin's
+    conversion (``precision.convert.convert_model``: torchao emulated on CPU, fp32-kept modules), checkpointing, and
+    its ``training_step`` under bf16 autocast."""
+    from lightning_trainopt.app.plan_model import training_loss
+    from lightning_trainopt.models import LitGPT
     from lightning_trainopt.precision import FP8PrecisionSpec, PrecisionSpec, convert_model
     from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
     from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
 
     torch.manual_seed(0)
-    model = GPT(FP8_CFG)
+    module = LitGPT(FP8_CFG, loss=ChunkedLMHeadLoss(128) if loss == "chunked_ce" else None)
+    module.configure_model()
     if precision == "fp8":
         spec = FP8PrecisionSpec(name="fp8", trainer_precision="bf16-mixed", skip_small=False)
-        convert_model(model, spec, emulate=True, fsdp=False)
+        convert_model(module, spec, emulate=True, fsdp=False)
     if precision == "bf16_keep_fp32":
         kept = PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=["RMSNorm", "lm_head"])
-        convert_model(model, kept, emulate=False, fsdp=False)
+        convert_model(module, kept, emulate=False, fsdp=False)
     policy = POLICIES[policy_name]
     if policy.checkpoint_every:
-        apply_activation_checkpointing(model, CheckpointPolicy(every_k=policy.checkpoint_every))
+        apply_activation_checkpointing(module, CheckpointPolicy(every_k=policy.checkpoint_every))
     x = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len))
     y = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len))
-    with SavedTensorsCounter(params=model.parameters()) as counter:
-        if loss == "chunked_ce":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                hidden = model(x, return_hidden=True) if _returns_hidden() else _hidden(model, x)
-                out = ChunkedLMHeadLoss(128)(model.lm_head, hidden, y)
-        else:
-            out = _loss(model, x, y, True)
+    with (
+        SavedTensorsCounter(params=module.parameters()) as counter,
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        out = training_loss(module, (x, y))
     out.backward()
     return counter.report().activation_bytes
 
 
-def _returns_hidden() -> bool:
-    import inspect
+def predict_hf_chunked(policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """``plan(cfg)`` of the Hugging Face Llama config (``planner_states.HF_LLAMA``) with ``loss=chunked_ce``,
+    ``bf16``, on ``hardware=cpu``: measured on fake tensors with the chunked loss on its head."""
+    from bench.planner_states import hf_config_dir
+    from lightning_trainopt.app.plan import plan
 
-    return "return_hidden" in inspect.signature(GPT.forward).parameters
+    overrides = [
+        "model=hf",
+        f"model.config={hf_config_dir()}",
+        "hardware=cpu",
+        "precision=bf16",
+        "loss=chunked_ce",
+        "loss.chunk_tokens=128",
+        f"activations={policy_name}",
+        f"data.batch_size={micro_batch}",
+        f"data.seq_len={seq_len}",
+    ]
+    return plan(_plan_cfg(overrides)).estimate.memory.bytes("activations")
 
 
-def _hidden(model: GPT, x: torch.Tensor) -> torch.Tensor:
-    head = model.lm_head
-    model.lm_head = torch.nn.Identity()  # type: ignore[assignment]
-    try:
-        return model(x)
-    finally:
-        model.lm_head = head
+def measure_hf_chunked(policy_name: str, micro_batch: int, seq_len: int) -> int:
+    """One real CPU training step of ``LitCausalLM`` with ``ChunkedLMHeadLoss`` as its head loss, under bf16
+    autocast, on our data's ``(x, y)`` batch."""
+    from bench.planner_states import build_module
+    from lightning_trainopt.app.plan_model import training_loss
+    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
+
+    torch.manual_seed(0)
+    module = build_module("hf_llama")
+    module.head_loss = ChunkedLMHeadLoss(128)
+    module.configure_model()
+    policy = POLICIES[policy_name]
+    if policy.checkpoint_every:
+        apply_activation_checkpointing(module, CheckpointPolicy(every_k=policy.checkpoint_every))
+    x, y = (torch.randint(0, 256, (micro_batch, seq_len)) for _ in range(2))
+    with (
+        SavedTensorsCounter(params=module.parameters()) as counter,
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        out = training_loss(module, (x, y))
+    out.backward()
+    return counter.report().activation_bytes
 
 
 def variant_rows(quick: bool = False) -> list[dict[str, Any]]:
@@ -293,6 +326,23 @@ def variant_rows(quick: bool = False) -> list[dict[str, Any]]:
                         "error": pred / meas - 1,
                     }
                 )
+    for pol in policies:
+        for mb, t in shapes:
+            pred = predict_hf_chunked(pol, mb, t)
+            meas = measure_hf_chunked(pol, mb, t)
+            rows.append(
+                {
+                    "model": "hf_llama",
+                    "precision": "bf16",
+                    "loss": "chunked_ce",
+                    "activations": pol,
+                    "micro_batch": mb,
+                    "seq_len": t,
+                    "predicted": pred,
+                    "measured": meas,
+                    "error": pred / meas - 1,
+                }
+            )
     return rows
 
 

@@ -97,29 +97,19 @@ def precision_spec(node: Any) -> Any:
 
 
 def gpt_loss_fn(kind: str, chunk_tokens: int = 1024) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """``(LitGPT, (x, y)) -> loss`` as training computes it with that loss: logits and ``F.cross_entropy`` in fp32
-    (``LitGPT.batch_loss``), or the hidden states (the model run with its head set aside) into
-    ``ChunkedLMHeadLoss`` through the head's own call."""
+    """``(LitGPT, (x, y)) -> loss`` as training computes it with that loss: the module's own ``training_step``
+    with its ``head_loss`` set as ``loss=`` sets it (``None``: logits and ``F.cross_entropy``; ``chunked``:
+    ``ChunkedLMHeadLoss``, which the model's forward runs inside the head's call)."""
+    from lightning_trainopt.app.plan_model import training_loss
     from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
 
-    def standard(module: nn.Module, batch: Any) -> torch.Tensor:
-        x, y = batch
-        logits = module(x)
-        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-
-    def chunked(module: nn.Module, batch: Any) -> torch.Tensor:
-        x, y = batch
-        gpt: Any = module.gpt
-        head = gpt.lm_head
-        gpt.lm_head = nn.Identity()
-        try:
-            hidden = gpt(x)
-        finally:
-            gpt.lm_head = head
-        loss: torch.Tensor = ChunkedLMHeadLoss(chunk_tokens)(head, hidden, y)
+    def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+        # On the measured (fake) copy only: the meta module the planner reads keeps no loss (meta_module).
+        setattr(module, "head_loss", None if kind == "standard" else ChunkedLMHeadLoss(chunk_tokens))
+        loss: torch.Tensor = training_loss(module, batch)
         return loss
 
-    return standard if kind == "standard" else chunked
+    return loss_fn
 
 
 @contextlib.contextmanager

@@ -60,6 +60,16 @@ def test_fp8_and_chunked_loss_activation_bytes_within_10_percent(precision, loss
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
 
 
+def test_hf_chunked_loss_activation_bytes_within_10_percent():
+    # model=hf loss=chunked_ce: the planner measures the module with the chunked loss on its head, as LitCausalLM
+    # trains with it.
+    pytest.importorskip("transformers")
+    acc = _load("planner_accuracy")
+    predicted = acc.predict_hf_chunked("none", 2, 128)
+    measured = acc.measure_hf_chunked("none", 2, 128)
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "precision"),
