@@ -14,7 +14,7 @@ from tests.unit.callbacks._foreign import TwoOptimizers
 
 def _expected_activations(module, batch_size=4, seq_len=16):
     x = torch.randint(0, 64, (batch_size, seq_len))
-    _, report = measure_saved_tensors(module._loss, (x, x.clone()), params=module.parameters())
+    _, report = measure_saved_tensors(lambda b: module.batch_loss(b)[0], (x, x.clone()), params=module.parameters())
     return report.activation_bytes
 
 
