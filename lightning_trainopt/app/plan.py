@@ -155,6 +155,7 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
     from lightning_trainopt.exceptions import IncompatibleConfigError
 
     conf = _conf_dir(cfg)
+    base_precision = plan_choices(cfg).get("precision")
 
     def allowed(choices: dict[str, str], inputs: PlanInputs) -> bool:
         name = choices.get("strategy")
@@ -164,7 +165,11 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
         node = load_preset(conf, "optimizer", optimizer) if optimizer else (cfg.get("optimizer") or {})
         target = str(node.get("_target_", ""))
         try:
-            check_compatible(strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"))
+            # The config's own precision node (with its overrides) unless the candidate swaps in another preset.
+            name = choices.get("precision")
+            swapped = name is not None and name != base_precision and (conf / "precision" / f"{name}.yaml").is_file()
+            precision = load_preset(conf, "precision", name) if swapped and name else cfg.get("precision")
+            check_compatible(strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"), precision)
         except IncompatibleConfigError:
             return False
         return True

@@ -287,7 +287,12 @@ def _devices(value: Any) -> int:
 
 
 def check_compatible(
-    strategy: Any, trainer_precision: str, optimizer_target: str | None, on_cuda: bool, callbacks: Any = None
+    strategy: Any,
+    trainer_precision: str,
+    optimizer_target: str | None,
+    on_cuda: bool,
+    callbacks: Any = None,
+    precision: Any = None,
 ) -> None:
     """Refuse what ``train.py``'s pre-flight refuses (``app.preflight.RULES``), for the planned hardware.
 
@@ -302,6 +307,7 @@ def check_compatible(
         optimizer_target: the optimizer's ``_target_``.
         on_cuda: the planned hardware has CUDA devices (``hardware`` is not ``cpu``).
         callbacks: the ``callbacks`` node (for callback rules).
+        precision: the ``precision`` node (for the FP8 and ``keep_fp32`` rules: ``fp8_te`` on a CPU, FP8 with FSDP1).
 
     Raises:
         IncompatibleConfigError: the combination ``train.py`` would refuse, with its reason and fix.
@@ -312,12 +318,18 @@ def check_compatible(
     # interpolations such as ${hydra:runtime.output_dir} (the notebook, the ladder's report callback).
     nodes = callbacks.values() if isinstance(callbacks, (DictConfig, dict)) else ()
     targets = tuple(str(v.get("_target_", "")) for v in nodes if isinstance(v, (DictConfig, dict)))
+    node = _plain(precision) or {}
+    backend = node.get("backend")
     p = PreflightInput(
         strategy=_plain(strategy) or None,
         precision=trainer_precision,
         optimizer_target=optimizer_target,
         accelerator="gpu" if on_cuda else "cpu",
         callback_targets=targets,
+        precision_preset=node.get("name"),
+        fp8_backend=backend,
+        fp8_emulate=node.get("emulate"),
+        transforms_model=backend is not None or (bool(node.get("keep_fp32")) and trainer_precision != "32-true"),
     )
     for rule in RULES:
         if not rule.machine_specific and rule.applies(p):
@@ -364,7 +376,12 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
     trainer_precision = str(cfg.precision.trainer_precision)
     on_cuda = hardware_from_cfg(cfg.get("hardware")).name != "cpu"
     check_compatible(
-        cfg.get("strategy"), trainer_precision, str(cfg.optimizer.get("_target_", "")), on_cuda, cfg.get("callbacks")
+        cfg.get("strategy"),
+        trainer_precision,
+        str(cfg.optimizer.get("_target_", "")),
+        on_cuda,
+        cfg.get("callbacks"),
+        cfg.get("precision"),
     )
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:

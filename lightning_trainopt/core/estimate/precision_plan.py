@@ -106,7 +106,9 @@ def te_saved_delta(plan: PrecisionPlan, tokens: int, compute_bytes: int) -> Term
     """Transformer Engine's change to the bytes saved for backward, derived per converted layer (it cannot run on a
     CPU, so it is not measured): ``te.Linear`` saves its input cast to FP8 (1 B per element, instead of the
     autocast copy of ``compute_bytes``) with an fp32 scale-inverse, and its FP8 weight (1 B per element, instead of
-    the autocast half copy of 2 B)."""
+    the autocast half copy of 2 B). Read in Transformer Engine's ``pytorch/module/linear.py`` (``_Linear.forward``:
+    ``saved_inputmat = inputmat``, the quantized input kept with its column-wise data only, and the quantized
+    ``weightmat``, both saved for backward)."""
     inputs = sum(k for _, k in plan.fp8_shapes)
     weights = sum(n * k for n, k in plan.fp8_shapes)
     layers = len(plan.fp8_shapes)

@@ -173,3 +173,29 @@ def test_search_chooses_the_loss_and_writes_it(tmp_path):
     assert winner is not None
     assert winner.choices["loss"] == "chunked_ce"  # the same price, more memory left
     assert "loss=chunked_ce" in result.command
+
+
+def test_plan_refuses_fp8_te_on_a_cpu_as_train_does(tmp_path):
+    from lightning_trainopt.exceptions import IncompatibleConfigError
+
+    with pytest.raises(IncompatibleConfigError, match="Transformer Engine"):
+        _plan(tmp_path, "hardware=cpu", "precision=fp8_te")
+
+
+def test_search_on_a_cpu_leaves_out_fp8_te(tmp_path):
+    pytest.importorskip("torchao")
+    result = _plan(
+        tmp_path,
+        "hardware=cpu",
+        "hardware.memory_gb=64",
+        "plan.search=true",
+        "plan.search_space.precision=[bf16,fp8,fp8_te]",
+        "plan.search_space.strategy=[ddp]",
+        "plan.search_space.activations=[none]",
+        "plan.search_space.optimizer=[adamw]",
+        "plan.search_space.micro_batch=[16]",
+    )
+    assert {c.choices["precision"] for c in result.candidates} == {"bf16", "fp8"}
+    fp8 = next(c for c in result.candidates if c.choices["precision"] == "fp8")
+    assert fp8.estimate.inputs.precision is not None
+    assert fp8.estimate.inputs.precision.emulated is True
