@@ -41,6 +41,8 @@ class ParityRun:
     precision: str
     status: str
     losses: dict[int, float] = field(default_factory=dict)
+    #: What ran in FP8 (metrics.json ``precision_layers``), e.g. ``29 of 29 linear layers``; empty when none did.
+    fp8: str = ""
 
 
 def _losses(job_dir: Path) -> dict[int, float]:
@@ -63,8 +65,21 @@ def collect_parity(sweep_dir: Path) -> list[ParityRun]:
         metrics_file = job / "metrics.json"
         metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
         precision = str(metrics.get("precision") or _override(job, "precision") or job.name)
-        runs.append(ParityRun(job.name, precision, str(metrics.get("status", "failed")), _losses(job)))
+        run = ParityRun(job.name, precision, str(metrics.get("status", "failed")), _losses(job))
+        run.fp8 = _fp8_text(metrics.get("precision_layers"))
+        runs.append(run)
     return runs
+
+
+def _fp8_text(layers: Any) -> str:
+    if not isinstance(layers, dict) or layers.get("fp8_layers") is None:
+        return ""
+    fp8 = int(layers["fp8_layers"])
+    total = fp8 + int(layers.get("bf16_layers") or 0)
+    fraction = layers.get("fp8_weight_fraction")
+    share = f", {float(fraction):.0%} of their weights" if isinstance(fraction, (int, float)) else ""
+    emulated = " (emulated)" if layers.get("emulated") else ""
+    return f"{fp8} of {total} linear layers{share}{emulated}"
 
 
 def _override(job: Path, key: str) -> str | None:
@@ -117,8 +132,8 @@ def _markdown(runs: list[ParityRun]) -> str:
         "logged.",
         "",
         "| precision | status | steps | final loss | max abs deviation (step) | final abs deviation "
-        "| final rel deviation |",
-        "|---|---|---|---|---|---|---|",
+        "| final rel deviation | in FP8 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         final = r.losses[max(r.losses)] if r.losses else None
@@ -133,9 +148,11 @@ def _markdown(runs: list[ParityRun]) -> str:
                 _fmt(d["final_rel"], ".2%"),
             ]
             steps = str(d["steps"])
-        lines.append(f"| {r.precision} | {r.status} | {steps} | {_fmt(final)} | {' | '.join(cells)} |")
+        lines.append(f"| {r.precision} | {r.status} | {steps} | {_fmt(final)} | {' | '.join(cells)} | {r.fp8} |")
     if baseline is None:
         lines += ["", f"No {BASELINE} run logged a loss: include precision={BASELINE} in the sweep as the baseline."]
+    if any(r.fp8.startswith("0 of") for r in runs):
+        lines += ["", "An FP8 run converted no layer: it trained in bf16 (see its precision_layers in metrics.json)."]
     missing = [r.precision for r in runs if not r.losses]
     if missing:
         lines += [

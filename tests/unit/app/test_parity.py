@@ -10,11 +10,12 @@ import pytest
 from lightning_trainopt.app.parity import ParityRun, collect_parity, deviation, write_parity_report
 
 
-def _job(sweep, num, precision, losses, status="ok", versions=1):
+def _job(sweep, num, precision, losses, status="ok", versions=1, layers=None):
     job = sweep / str(num)
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text(f"- precision={precision}\n")
-    (job / "metrics.json").write_text(json.dumps({"precision": precision, "status": status}))
+    metrics = {"precision": precision, "status": status, "precision_layers": layers}
+    (job / "metrics.json").write_text(json.dumps(metrics))
     steps = sorted(losses)
     # A resumed run writes a second log version; its steps continue the first's.
     for v, part in enumerate([steps[: len(steps) // versions], steps[len(steps) // versions :]][:versions]):
@@ -43,25 +44,34 @@ def test_deviation_is_measured_over_the_common_steps():
 
 
 def test_the_report_reads_the_sweep_and_writes_md_csv_and_png(tmp_path):
+    layers = {"fp8_layers": 4, "bf16_layers": 1, "emulated": True, "fp8_weight_fraction": 0.8}
     _job(tmp_path, 0, "fp32", {0: 5.0, 1: 4.0, 2: 3.0})
     _job(tmp_path, 1, "bf16", {0: 5.0, 1: 4.25, 2: 3.5}, versions=2)
-    _job(tmp_path, 2, "fp8", {}, status="refused")
+    _job(tmp_path, 2, "fp8", {0: 5.0, 1: 4.0, 2: 3.25}, layers=layers)
+    _job(tmp_path, 3, "fp8_te", {}, status="refused")
     runs = collect_parity(tmp_path)
-    assert [(r.precision, r.status, len(r.losses)) for r in runs] == [
-        ("fp32", "ok", 3),
-        ("bf16", "ok", 3),
-        ("fp8", "refused", 0),
-    ]
+    summary = [(r.precision, r.status, len(r.losses)) for r in runs]
+    assert summary == [("fp32", "ok", 3), ("bf16", "ok", 3), ("fp8", "ok", 3), ("fp8_te", "refused", 0)]
     paths = write_parity_report(runs, tmp_path)
     md = paths["md"].read_text()
-    assert "| bf16 | ok | 3 | 3.5000 | 0.5000 (2) | 0.5000 | 16.67% |" in md
     assert "| fp32 | ok | 3 | 3.0000 | baseline |" in md
-    assert "No training loss was logged for fp8" in md
+    assert "| bf16 | ok | 3 | 3.5000 | 0.5000 (2) | 0.5000 | 16.67% |  |" in md
+    fp8_row = "| fp8 | ok | 3 | 3.2500 | 0.2500 (2) | 0.2500 | 8.33% | 4 of 5 linear layers, 80% of their weights"
+    assert f"{fp8_row} (emulated) |" in md
+    assert "No training loss was logged for fp8_te" in md
     rows = list(csv.reader(paths["csv"].open()))
-    assert rows[0] == ["step", "fp32", "bf16", "fp8"]
-    assert rows[2] == ["1", "4.0", "4.25", ""]
+    assert rows[0] == ["step", "fp32", "bf16", "fp8", "fp8_te"]
+    assert rows[2] == ["1", "4.0", "4.25", "4.0", ""]
     pytest.importorskip("matplotlib")
     assert paths["png"].stat().st_size > 10_000
+
+
+def test_an_fp8_run_that_converted_nothing_is_called_out(tmp_path):
+    _job(tmp_path, 0, "fp32", {0: 5.0})
+    _job(tmp_path, 1, "fp8", {0: 5.0}, layers={"fp8_layers": 0, "bf16_layers": 29, "fp8_weight_fraction": 0.0})
+    md = write_parity_report(collect_parity(tmp_path), tmp_path)["md"].read_text()
+    assert "| 0 of 29 linear layers, 0% of their weights |" in md
+    assert "An FP8 run converted no layer: it trained in bf16" in md
 
 
 def test_without_an_fp32_run_the_report_says_to_add_the_baseline(tmp_path):
