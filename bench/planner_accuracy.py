@@ -3,6 +3,7 @@
     python bench/planner_accuracy.py activations      # saved-for-backward bytes, CPU, seconds
     python bench/planner_accuracy.py activations --models  # the same for a Hugging Face Llama config and a user module
     python bench/planner_accuracy.py activations --fp8     # precision=fp8 (torchao, emulated) and loss=chunked_ce, CPU
+    python bench/planner_accuracy.py gpu --fp8             # the same on one CUDA device (real FP8) vs hardware=h200
     python bench/planner_accuracy.py states           # per-rank model states, 2 CPU processes x ddp/zero1/zero2/zero3
     python bench/planner_accuracy.py states --models  # the same for a Hugging Face Llama config and a user module
     python bench/planner_accuracy.py gpu              # gpt_1b bf16 peak vs torch.cuda.max_memory_allocated (CUDA)
@@ -189,19 +190,21 @@ def _plan_cfg(overrides: list[str]) -> Any:
         return compose("plan", overrides=overrides)
 
 
-def _demo_overrides(cfg: GPTConfig) -> list[str]:
+def _demo_overrides(cfg: GPTConfig, hardware: str = "cpu") -> list[str]:
     keys = ("vocab_size", "n_layers", "d_model", "n_heads", "ffn_hidden", "max_seq_len")
-    return ["model=gpt_tiny", "hardware=cpu", *(f"model.{k}={getattr(cfg, k)}" for k in keys)]
+    return ["model=gpt_tiny", f"hardware={hardware}", *(f"model.{k}={getattr(cfg, k)}" for k in keys)]
 
 
-def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
-    """The planner's activation bytes (``plan(cfg)`` on ``hardware=cpu``) for ``precision=fp8`` (torchao, emulated,
-    every layer divisible by 16 converted), ``bf16``, or ``bf16_keep_fp32`` (bf16 with ``keep_fp32=[RMSNorm,
-    lm_head]``), with ``loss=standard`` or ``chunked_ce``."""
+def predict_variant(
+    precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int, hardware: str = "cpu"
+) -> int:
+    """The planner's activation bytes (``plan(cfg)`` on ``hardware``: ``cpu`` emulates FP8, a GPU preset plans real
+    FP8 GEMMs) for ``precision=fp8`` (torchao, every layer divisible by 16 converted), ``bf16``, or
+    ``bf16_keep_fp32`` (bf16 with ``keep_fp32=[RMSNorm, lm_head]``), with ``loss=standard`` or ``chunked_ce``."""
     from lightning_trainopt.app.plan import plan
 
     overrides = [
-        *_demo_overrides(FP8_CFG),
+        *_demo_overrides(FP8_CFG, hardware),
         f"precision={precision}",
         f"loss={loss}",
         f"activations={policy_name}",
@@ -218,11 +221,13 @@ def predict_variant(precision: str, loss: str, policy_name: str, micro_batch: in
     return est.memory.bytes("activations")
 
 
-def measure_variant(precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
-    """Saved-for-backward bytes of one real CPU training step of the same model as ``train.py`` runs it: ``LitGPT``
+def measure_variant(
+    precision: str, loss: str, policy_name: str, micro_batch: int, seq_len: int, device: str = "cpu"
+) -> int:
+    """Saved-for-backward bytes of one real training step of the same model as ``train.py`` runs it: ``LitGPT``
     with ``loss=chunked_ce``'s ``ChunkedLMHeadLoss`` (computed inside the head's call), the precision plugin's
-    conversion (``precision.convert.convert_model``: torchao emulated on CPU, fp32-kept modules), checkpointing, and
-    its ``training_step`` under bf16 autocast."""
+    conversion (``precision.convert.convert_model``: torchao emulated on CPU, real FP8 GEMMs on CUDA; fp32-kept
+    modules), checkpointing, and its ``training_step`` under bf16 autocast, on ``device``."""
     from lightning_trainopt.app.plan_model import training_loss
     from lightning_trainopt.models import LitGPT
     from lightning_trainopt.precision import FP8PrecisionSpec, PrecisionSpec, convert_model
@@ -232,24 +237,49 @@ def measure_variant(precision: str, loss: str, policy_name: str, micro_batch: in
     torch.manual_seed(0)
     module = LitGPT(FP8_CFG, loss=ChunkedLMHeadLoss(128) if loss == "chunked_ce" else None)
     module.configure_model()
+    module.to(device)
     if precision == "fp8":
         spec = FP8PrecisionSpec(name="fp8", trainer_precision="bf16-mixed", skip_small=False)
-        convert_model(module, spec, emulate=True, fsdp=False)
+        convert_model(module, spec, emulate=device == "cpu", fsdp=False)
     if precision == "bf16_keep_fp32":
         kept = PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=["RMSNorm", "lm_head"])
         convert_model(module, kept, emulate=False, fsdp=False)
     policy = POLICIES[policy_name]
     if policy.checkpoint_every:
         apply_activation_checkpointing(module, CheckpointPolicy(every_k=policy.checkpoint_every))
-    x = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len))
-    y = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len))
+    x = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len), device=device)
+    y = torch.randint(0, FP8_CFG.vocab_size, (micro_batch, seq_len), device=device)
     with (
         SavedTensorsCounter(params=module.parameters()) as counter,
-        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autocast(device, dtype=torch.bfloat16),
     ):
         out = training_loss(module, (x, y))
     out.backward()
     return counter.report().activation_bytes
+
+
+def gpu_variant_rows(hardware: str = "h200") -> list[dict[str, Any]]:
+    """The FP8 and chunked-loss rows on one CUDA device against ``plan(cfg)`` for ``hardware`` (written for a GPU
+    session: the planner's view of ``Float8Linear`` under CUDA autocast, bf16 inputs saved, is checked here)."""
+    rows = []
+    for precision, loss in (("bf16", "standard"), ("fp8", "standard"), ("fp8", "chunked_ce")):
+        for pol in ("none", "checkpoint"):
+            pred = predict_variant(precision, loss, pol, 4, 256, hardware)
+            meas = measure_variant(precision, loss, pol, 4, 256, "cuda")
+            rows.append(
+                {
+                    "model": FP8_CFG.name,
+                    "precision": precision,
+                    "loss": loss,
+                    "activations": pol,
+                    "micro_batch": 4,
+                    "seq_len": 256,
+                    "predicted": pred,
+                    "measured": meas,
+                    "error": pred / meas - 1,
+                }
+            )
+    return rows
 
 
 def predict_hf_chunked(policy_name: str, micro_batch: int, seq_len: int) -> int:
@@ -365,6 +395,8 @@ def main() -> None:
 
         rows = model_states_rows() if args.models else states_rows()
         _print(rows, ["model", "strategy", "precision", "category"], 0.05)
+    elif args.fp8:
+        _print(gpu_variant_rows(), ["model", "precision", "loss", "activations", "micro_batch", "seq_len"], 0.10)
     else:
         from bench.planner_gpu import gpu_rows  # noqa: PLC0415
 
