@@ -10,6 +10,7 @@
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 4`   (FP8 eager, not yet timed)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 5`   (FP8 compiled, not yet timed)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 6`   (FP8 x strategies smoke, not yet timed)
+#   device run: carry [".whl"], timeout_s 590, command `bash bench/gpu_checks.sh 7`   (precision parity, not yet timed)
 #
 # Outputs go under $OUT (the device tool brings them back) or /tmp/gpu_checks. `set -u` only: one failure must not
 # hide the rest; every step has its own timeout so a hang cannot eat the session.
@@ -105,5 +106,13 @@ print(d.name, line, "resumed == full:", bool(got["full"] and got["resumed"] and 
 PYEOF
         done
     done
+fi
+if [ "$PART" = "7" ]; then
+    # The precision parity experiment with real FP8 GEMMs: fp32, bf16, fp8 (torchao) and fp8_te (refused and reported
+    # as such where Transformer Engine does not import), gpt_125m, 300 steps of 8 x 1024 tokens on one GPU.
+    log "precision parity"
+    timeout 580 "$PY" train.py -m experiment=precision_parity +experiment/parity_precision=fp32,bf16,fp8,fp8_te \
+        model=gpt_125m trainer=gpu trainer.devices=1 trainer.max_steps=300 data.seq_len=1024 \
+        hydra.sweep.dir="$OUT/parity" 2>&1 | tail -20 | tee "$OUT/parity.txt"
 fi
 log "done part $PART"
