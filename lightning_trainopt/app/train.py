@@ -31,7 +31,7 @@ from lightning_trainopt.app.model_factory import (
 from lightning_trainopt.app.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.app.run_clock import RunClock
 from lightning_trainopt.app.validate import validate_config
-from lightning_trainopt.callbacks import NonFiniteGuard, ResumableCheckpoint
+from lightning_trainopt.callbacks import NonFiniteGuard, PrecisionReport, ResumableCheckpoint
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import LitGPT
@@ -205,6 +205,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [
         clock,
         StrategyReport(),
+        # What an FP8 or keep_fp32 preset did to the model (metrics.json's precision_layers); nothing otherwise.
+        PrecisionReport(),
         *_instantiate_named(cfg.get("activations")),
         *_instantiate_named(cfg.get("callbacks")),
     ]
@@ -227,7 +229,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks=callbacks,
         logger=loggers or False,
         default_root_dir=str(run_dir),
-        **trainer_precision_kwargs(precision, strategy),
+        **trainer_precision_kwargs(precision, strategy, accelerator),
     )
     oom = False
     interrupted: SystemExit | None = None
