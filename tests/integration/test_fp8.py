@@ -76,6 +76,12 @@ def test_fp8_trains_and_resumes_exactly(tmp_path, strategy):
     assert full["precision"] == "fp8"
     assert full["trainer_precision"] == "bf16-mixed"
     assert full["zero_stage"] == (3 if strategy == "zero3" else None)
+    layers = full["precision_layers"]
+    assert (layers["fp8_layers"], layers["bf16_layers"], layers["fsdp_float8_all_gather"]) == (
+        14,
+        1,
+        strategy == "fsdp",
+    )
     assert resumed["global_step"] == full["global_step"] == 4
     assert resumed["train_loss"] == full["train_loss"]
     assert resumed["val_loss"] == full["val_loss"]
