@@ -231,3 +231,26 @@ def test_evaluation_steps_leave_inference_mode_for_torchao():
                 logits = root.model(x)
             assert logits.dtype == torch.bfloat16
             assert not logits.requires_grad
+
+
+@RunIf(torchao=True)
+def test_fsdp2_weights_all_gather_in_fp8_and_get_precomputed_scales():
+    """Under fully_shard the FP8 weights are torchao's all-gather subclass, and the plugin's step hook fills their
+    scale (one all-reduce for all weights) - on a one-process gloo group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    (plugin,) = trainer_precision_kwargs(fp8(), TrainOptFSDPStrategy(), "cpu")["plugins"]
+    root = _root()
+    plugin.convert_module(root)
+    mesh = init_device_mesh("cpu", (1,))
+    for block in root.model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(root.model, mesh=mesh)
+    weight = root.model.blocks[0].attn.q_proj.weight
+    assert type(weight._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor"
+    assert weight._local_tensor._precomputed_scale is None
+    plugin._after_step(root)
+    assert weight._local_tensor._precomputed_scale is not None
