@@ -40,9 +40,11 @@ def test_default_switches_every_monitor_on_and_guards_can_be_added(tmp_path):
     }
     built = {name: instantiate(cfg.callbacks[name]) for name in names}
     # Every monitor and guard and the checkpoint; the memory techniques are switched on by the `activations` group
-    # instead, and train.py prints FitReport's table itself.
+    # instead; train.py prints FitReport's table itself and always adds PrecisionReport (metrics.json's
+    # precision_layers).
     techniques = {"ActivationCheckpointing", "ActivationCompression", "ActivationOffload", "MicroBatchFinder"}
-    assert {type(cb).__name__ for cb in built.values()} == set(cbs.__all__) - techniques - {"FitReport"}
+    by_app = {"FitReport", "PrecisionReport"}
+    assert {type(cb).__name__ for cb in built.values()} == set(cbs.__all__) - techniques - by_app
     assert isinstance(built["cost_monitor"].hardware, HardwareSpec)
 
 
