@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -28,7 +27,7 @@ from lightning_trainopt.app.ladder_rows import (
     ladder_rungs,
     predicted_row,
 )
-from lightning_trainopt.app.sweep import status_text
+from lightning_trainopt.app.sweep import status_text, write_sweep_report
 from lightning_trainopt.exceptions import install_command
 
 if TYPE_CHECKING:
@@ -329,21 +328,8 @@ class LadderReport(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
-            return  # a DDP child re-running the command: the launching process writes the report
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
-        try:
-            paths = write_ladder_report(collect_ladder(sweep_dir), sweep_dir)
-        except Exception as err:
-            # Hydra turns a callback's exception into a warning and exits 0; a ladder without its report is a
-            # failed run. SystemExit is not an Exception, so it passes Hydra's handler and sets the exit status.
-            log.exception("the ladder report could not be written")
-            raise SystemExit(f"error: ladder report not written ({type(err).__name__}: {err})") from err
-        print(paths["md"].read_text())
-        print(f"ladder report: {', '.join(str(p) for p in paths.values())}")
-        if "png" not in paths:
+        paths = write_sweep_report(config, "ladder", lambda d: write_ladder_report(collect_ladder(d), d))
+        if paths is not None and "png" not in paths:
             log.warning("ladder.png not written: matplotlib is not installed: %s", _plot_hint())
 
 

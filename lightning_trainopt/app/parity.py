@@ -16,7 +16,6 @@ import csv
 import json
 import logging
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from lightning_trainopt.app.sweep import write_sweep_report
 
 __all__ = ["ParityReport", "ParityRun", "collect_parity", "deviation", "write_parity_report"]
 
@@ -223,20 +224,8 @@ class ParityReport(Callback):
     """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
-            return  # a DDP child re-running the command: the launching process writes the report
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
-        try:
-            paths = write_parity_report(collect_parity(sweep_dir), sweep_dir)
-        except Exception as err:
-            # Hydra turns a callback's exception into a warning and exits 0; SystemExit sets the exit status.
-            log.exception("the precision parity report could not be written")
-            raise SystemExit(f"error: precision parity report not written ({type(err).__name__}: {err})") from err
-        print(paths["md"].read_text())
-        print(f"precision parity report: {', '.join(str(p) for p in paths.values())}")
-        if "png" not in paths:
+        paths = write_sweep_report(config, "precision parity", lambda d: write_parity_report(collect_parity(d), d))
+        if paths is not None and "png" not in paths:
             log.warning("precision_parity.png not written: matplotlib is not installed (pip install matplotlib)")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["SweepSummary", "collect_jobs", "no_job_succeeded", "status_text", "write_summary"]
+__all__ = ["SweepSummary", "collect_jobs", "no_job_succeeded", "status_text", "write_sweep_report", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +133,32 @@ class SweepSummary(Callback):
             print(f"error: no job of the sweep succeeded ({tally}); see {md}", file=sys.stderr)
             # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
             raise SystemExit(2)
+
+
+def write_sweep_report(config: DictConfig, what: str, write: Any) -> dict[str, Path] | None:
+    """A report experiment's ``on_multirun_end``: ``write(sweep_dir)`` in the launching process, printed.
+
+    A DDP child re-running the command writes nothing (``None``). Hydra turns a callback's exception into a warning
+    and exits 0; an experiment without its report is a failed run, so a failure becomes ``SystemExit`` (not an
+    ``Exception``: it passes Hydra's handler and sets the exit status).
+
+    Args:
+        config: the multirun's config (``hydra.sweep.dir``).
+        what: the report's name in messages (``ladder``, ``precision parity``).
+        write: ``sweep_dir -> {"md": path, ...}``, the paths it wrote.
+    """
+    import os
+
+    if int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
+        return None
+    sweep_dir = Path(config.hydra.sweep.dir)
+    if not sweep_dir.is_dir():
+        return None
+    try:
+        paths: dict[str, Path] = write(sweep_dir)
+    except Exception as err:
+        log.exception("the %s report could not be written", what)
+        raise SystemExit(f"error: {what} report not written ({type(err).__name__}: {err})") from err
+    print(paths["md"].read_text())
+    print(f"{what} report: {', '.join(str(p) for p in paths.values())}")
+    return paths
