@@ -5,7 +5,7 @@ local tokenizer (`tokenizer=local tokenizer.path=...`). The work is done by
 `lightning_trainopt.data.prepare.prepare_corpus`, which tests call directly.
 """
 
-from lightning_trainopt.app.prepare_cli import prepare_main
+from lightning_trainopt.launch.prepare_cli import prepare_main
 
 if __name__ == "__main__":
     prepare_main()

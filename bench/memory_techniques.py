@@ -33,13 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter, transform_saved_tensors  # noqa: E402
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter, transform_saved_tensors  # noqa: E402
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.gpt import GPT  # noqa: E402
-from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing  # noqa: E402
-from lightning_trainopt.techniques.compression import Int8Compressor, gradient_relative_error  # noqa: E402
-from lightning_trainopt.techniques.offload import CpuOffloader  # noqa: E402
-from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes  # noqa: E402
+from lightning_trainopt.optim.optimizer_states import optimizer_state_bytes  # noqa: E402
+from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing  # noqa: E402
+from lightning_trainopt.transforms.compression import Int8Compressor, gradient_relative_error  # noqa: E402
+from lightning_trainopt.transforms.offload import CpuOffloader  # noqa: E402
 
 TECHNIQUES = ("none", "checkpoint", "checkpoint_every_2nd", "int8")
 MiB = 2**20
@@ -154,7 +154,7 @@ def _installed(package: str, what: str) -> bool:
 
 def optimizer_states(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One step of each optimizer on the demo model; its state bytes per parameter as measured."""
-    from lightning_trainopt.techniques import optimizers as o
+    from lightning_trainopt.optim import optimizers as o
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = _config(args)

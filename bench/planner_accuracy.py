@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_trainopt.core.estimate import ActivationPolicy, estimate_transformer_activations  # noqa: E402
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter, transform_saved_tensors  # noqa: E402
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter, transform_saved_tensors  # noqa: E402
 from lightning_trainopt.models import GPT, GPTConfig  # noqa: E402
+from lightning_trainopt.planner import ActivationPolicy, estimate_transformer_activations  # noqa: E402
 
 DEMO = GPTConfig(name="demo", vocab_size=256, n_layers=4, d_model=128, n_heads=4, ffn_hidden=352, max_seq_len=512)
 GQA = GPTConfig(
@@ -46,8 +46,8 @@ POLICIES = {
 
 def measure_activations(cfg: GPTConfig, precision: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
     """Saved-for-backward bytes of one real CPU forward, counted by core.saved_tensors with the real techniques."""
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
-    from lightning_trainopt.techniques.compression import Int8Compressor
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.transforms.compression import Int8Compressor
 
     _, dtype, autocast = PRECISIONS[precision]
     torch.manual_seed(0)
@@ -87,9 +87,9 @@ def measure_module_activations(model: str, precision: str, policy_name: str, mic
     """Saved-for-backward bytes of one real CPU training step of a module planned from itself (``hf_llama``,
     ``user``: see ``planner_states``), with the real techniques."""
     from bench.planner_states import build_module
-    from lightning_trainopt.app.plan_model import token_dict_batch, training_loss
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
-    from lightning_trainopt.techniques.compression import Int8Compressor
+    from lightning_trainopt.config.plan_model import token_dict_batch, training_loss
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.transforms.compression import Int8Compressor
 
     _, dtype, autocast = PRECISIONS[precision]
     torch.manual_seed(0)
@@ -201,7 +201,7 @@ def predict_variant(
     """The planner's activation bytes (``plan(cfg)`` on ``hardware``: ``cpu`` emulates FP8, a GPU preset plans real
     FP8 GEMMs) for ``precision=fp8`` (torchao, every layer divisible by 16 converted), ``bf16``, or
     ``bf16_keep_fp32`` (bf16 with ``keep_fp32=[RMSNorm, lm_head]``), with ``loss=standard`` or ``chunked_ce``."""
-    from lightning_trainopt.app.plan import plan
+    from lightning_trainopt.config.plan import plan
 
     overrides = [
         *_demo_overrides(FP8_CFG, hardware),
@@ -228,11 +228,11 @@ def measure_variant(
     with ``loss=chunked_ce``'s ``ChunkedLMHeadLoss`` (computed inside the head's call), the precision plugin's
     conversion (``precision.convert.convert_model``: torchao emulated on CPU, real FP8 GEMMs on CUDA; fp32-kept
     modules), checkpointing, and its ``training_step`` under bf16 autocast, on ``device``."""
-    from lightning_trainopt.app.plan_model import training_loss
+    from lightning_trainopt.config.plan_model import training_loss
     from lightning_trainopt.models import LitGPT
     from lightning_trainopt.precision import FP8PrecisionSpec, PrecisionSpec, convert_model
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
-    from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.transforms.chunked_loss import ChunkedLMHeadLoss
 
     torch.manual_seed(0)
     module = LitGPT(FP8_CFG, loss=ChunkedLMHeadLoss(128) if loss == "chunked_ce" else None)
@@ -286,7 +286,7 @@ def predict_hf_chunked(policy_name: str, micro_batch: int, seq_len: int) -> int:
     """``plan(cfg)`` of the Hugging Face Llama config (``planner_states.HF_LLAMA``) with ``loss=chunked_ce``,
     ``bf16``, on ``hardware=cpu``: measured on fake tensors with the chunked loss on its head."""
     from bench.planner_states import hf_config_dir
-    from lightning_trainopt.app.plan import plan
+    from lightning_trainopt.config.plan import plan
 
     overrides = [
         "model=hf",
@@ -306,9 +306,9 @@ def measure_hf_chunked(policy_name: str, micro_batch: int, seq_len: int) -> int:
     """One real CPU training step of ``LitCausalLM`` with ``ChunkedLMHeadLoss`` as its head loss, under bf16
     autocast, on our data's ``(x, y)`` batch."""
     from bench.planner_states import build_module
-    from lightning_trainopt.app.plan_model import training_loss
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
-    from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
+    from lightning_trainopt.config.plan_model import training_loss
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.transforms.chunked_loss import ChunkedLMHeadLoss
 
     torch.manual_seed(0)
     module = build_module("hf_llama")

@@ -71,7 +71,7 @@ def _measure(rank: int, port: int, out: str, model: str = "gpt") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from lightning_trainopt.models import GPT, GPTConfig
-    from lightning_trainopt.strategies.fsdp import apply_fully_shard, block_classes
+    from lightning_trainopt.parallel.fsdp import apply_fully_shard, block_classes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -171,14 +171,14 @@ def predict_hf() -> int:
     """The FSDP2 backward terms with the units read from the Hugging Face module (as ``plan.py model=hf``)."""
     import torch
 
-    from lightning_trainopt.core.estimate import (
+    from lightning_trainopt.parallel.fsdp import block_classes
+    from lightning_trainopt.planner import (
         OPTIMIZER_STATES,
         StrategyLayout,
         estimate_model_states,
         forward_trace,
         module_profile,
     )
-    from lightning_trainopt.strategies.fsdp import block_classes
 
     root = torch.nn.Module()
     root.model = _hf_model()
@@ -197,14 +197,14 @@ def _unused(*_: object) -> object:
 
 
 def predict() -> int:
-    from lightning_trainopt.core.estimate import (
+    from lightning_trainopt.metrics.model_shape import GPTConfig
+    from lightning_trainopt.planner import (
         OPTIMIZER_STATES,
         StrategyLayout,
         estimate_model_states,
         gpt_param_groups,
     )
-    from lightning_trainopt.core.estimate.fsdp_units import gpt_fsdp_units
-    from lightning_trainopt.core.model_shape import GPTConfig
+    from lightning_trainopt.planner.fsdp_units import gpt_fsdp_units
 
     cfg = GPTConfig(**MODEL)
     units = gpt_fsdp_units(

@@ -18,14 +18,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_trainopt.core.estimate import (  # noqa: E402
+from lightning_trainopt.models import GPT, GPTConfig  # noqa: E402
+from lightning_trainopt.planner import (  # noqa: E402
     OPTIMIZER_STATES,
     ActivationPolicy,
     PlanInputs,
     StrategyLayout,
     estimate_plan,
 )
-from lightning_trainopt.models import GPT, GPTConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def _gpt_1b() -> GPTConfig:
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "gpt_1b.yaml"))
+    node = OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_trainopt" / "conf" / "model" / "gpt_1b.yaml"))
     return GPTConfig(**{k: v for k, v in node.items() if k != "_target_"})
 
 
 def gpu_row(checkpoint: bool, micro_batch: int = 2, seq_len: int = 2048) -> dict[str, Any]:
     """Measure and predict one configuration on ``cuda:0``."""
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 
     cfg = _gpt_1b()
     device = torch.device("cuda", 0)

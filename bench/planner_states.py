@@ -113,13 +113,13 @@ def measure(strategy: str, precision: str, out: str, model_name: str = MODEL) ->
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
-    from lightning_trainopt.core.memory_accounting import memory_breakdown
+    from lightning_trainopt.metrics.memory_accounting import memory_breakdown
     from lightning_trainopt.models import GPTConfig, LitGPT
+    from lightning_trainopt.parallel import build_strategy
     from lightning_trainopt.precision import PrecisionSpec
     from lightning_trainopt.precision.plugins import trainer_precision_kwargs
-    from lightning_trainopt.strategies import build_strategy
 
-    conf = ROOT / "conf"
+    conf = ROOT / "lightning_trainopt" / "conf"
     model = {
         k: v
         for k, v in OmegaConf.to_container(OmegaConf.load(conf / "model" / f"{MODEL}.yaml")).items()
@@ -163,13 +163,13 @@ def profile(model_name: str = MODEL) -> Any:
     import torch
     from omegaconf import OmegaConf
 
-    from lightning_trainopt.core.estimate import gpt_profile
     from lightning_trainopt.models import GPTConfig
+    from lightning_trainopt.planner import gpt_profile
 
     if model_name == MODEL:
-        node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / f"{MODEL}.yaml"))
+        node = OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_trainopt" / "conf" / "model" / f"{MODEL}.yaml"))
         return gpt_profile(GPTConfig(**{k: v for k, v in node.items() if k != "_target_"}))
-    from lightning_trainopt.app.plan_model import module_plan_profile
+    from lightning_trainopt.config.plan_model import module_plan_profile
 
     with torch.device("meta"):
         module = build_module(model_name)
@@ -180,10 +180,10 @@ def profile(model_name: str = MODEL) -> Any:
 def predict(strategy: str, precision: str, model_name: str = MODEL) -> dict[str, int]:
     from omegaconf import OmegaConf
 
-    from lightning_trainopt.app.plan_inputs import strategy_layout
-    from lightning_trainopt.core.estimate import OPTIMIZER_STATES, estimate_model_states
+    from lightning_trainopt.config.plan_inputs import strategy_layout
+    from lightning_trainopt.planner import OPTIMIZER_STATES, estimate_model_states
 
-    conf = ROOT / "conf"
+    conf = ROOT / "lightning_trainopt" / "conf"
     p = profile(model_name)
     tp = str(OmegaConf.load(conf / "precision" / f"{precision}.yaml").trainer_precision)
     layout = strategy_layout(OmegaConf.load(conf / "strategy" / f"{strategy}.yaml"), 2)

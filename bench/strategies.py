@@ -116,9 +116,9 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
 
     from lightning_trainopt.data.datamodule import TextDataModule
     from lightning_trainopt.models import GPTConfig, LitGPT
+    from lightning_trainopt.parallel import build_strategy
+    from lightning_trainopt.parallel.report import StrategyReport
     from lightning_trainopt.precision import PrecisionSpec
-    from lightning_trainopt.strategies import build_strategy
-    from lightning_trainopt.strategies.report import StrategyReport
 
     class Losses(Callback):
         def __init__(self) -> None:
@@ -135,7 +135,7 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
             self.losses[trainer.global_step] = float(loss.detach().float())
 
     pl.seed_everything(args.seed, workers=True)
-    cfg = OmegaConf.load(ROOT / "conf" / "strategy" / f"{preset}.yaml")
+    cfg = OmegaConf.load(ROOT / "lightning_trainopt" / "conf" / "strategy" / f"{preset}.yaml")
     if args.accelerator == "cpu" and "deepspeed" in str(cfg._target_).lower():
         for k, v in _CPU_OVERRIDES.items():
             if k in cfg:
@@ -155,7 +155,7 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
             **{
                 k: v
                 for k, v in OmegaConf.to_container(
-                    OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+                    OmegaConf.load(ROOT / "lightning_trainopt" / "conf" / "model" / f"{args.model}.yaml")
                 ).items()
                 if k != "_target_"
             }

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_trainopt.core._torch_private import ddp_comm_hook_name, ddp_comm_hook_state
+from lightning_trainopt._compat.torch_internals import ddp_comm_hook_name, ddp_comm_hook_state
 
 __all__ = ["CommProbe", "attach_comm_probe", "timed_allreduce_hook"]
 

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_trainopt.core.throughput import BatchSize, batch_size_of
+from lightning_trainopt.metrics.throughput import BatchSize, batch_size_of
 
 Clock = Callable[[], float]
 
@@ -121,8 +121,8 @@ def check_hardware(key: str, value: Any) -> None:
 
     Preset names are resolved now (no device is queried), so a typo fails before training, not at ``setup``.
     """
-    from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
     from lightning_trainopt.exceptions import ConfigError
+    from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
 
     if value is None or value == "auto" or isinstance(value, HardwareSpec):
         return
@@ -146,7 +146,7 @@ class BatchCount:
 
 class BatchSizer:
     """Samples and tokens of each micro-batch: the user's ``samples_fn``/``tokens_fn`` where given, else the shapes
-    (:func:`~lightning_trainopt.core.throughput.batch_size_of`). A batch it cannot size gives ``None`` counts and one
+    (:func:`~lightning_trainopt.metrics.throughput.batch_size_of`). A batch it cannot size gives ``None`` counts and one
     warning for the whole run, naming the arguments that fix it; it never raises for the batch's type.
 
     Args:

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_trainopt.techniques.checkpointing import (
+from lightning_trainopt.transforms.checkpointing import (
     CheckpointPlan,
     CheckpointPolicy,
     apply_activation_checkpointing,
@@ -76,7 +76,7 @@ class ActivationCheckpointing(Callback):
         """Share of the forward pass's weight-matmul FLOPs recomputed in backward, 0..1 (0 before fit), for HFU.
 
         Counted over every weight that multiplies activations (``nn.Linear``, ``Conv1D``, attention projections, ...;
-        see :class:`~lightning_trainopt.techniques.checkpointing.CheckpointPlan`), per call of a shared block.
+        see :class:`~lightning_trainopt.transforms.checkpointing.CheckpointPlan`), per call of a shared block.
         """
         return self.plan.recomputed_fraction if self.plan is not None else 0.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_trainopt.callbacks.activation_offload import _SavedTensorsTransformCallback
-from lightning_trainopt.techniques.compression import Int8Compressor
+from lightning_trainopt.transforms.compression import Int8Compressor
 
 __all__ = ["ActivationCompression"]
 

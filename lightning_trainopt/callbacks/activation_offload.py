@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_trainopt.core.saved_tensors import SavedTensorsTransform, transform_saved_tensors
 from lightning_trainopt.exceptions import IncompatibleConfigError
-from lightning_trainopt.techniques.offload import CpuOffloader
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
+from lightning_trainopt.transforms.offload import CpuOffloader
 
 __all__ = ["ActivationOffload"]
 
@@ -80,7 +80,7 @@ class ActivationOffload(_SavedTensorsTransformCallback):
     """Move accelerator activations saved for backward to (pinned) CPU memory, and back for backward.
 
     On a CPU-only run activations already live in CPU memory: the callback warns once and switches itself off.
-    Under the project's :class:`~lightning_trainopt.core.saved_tensors.SavedTensorsCounter` the offloaded bytes show
+    Under the project's :class:`~lightning_trainopt.metrics.saved_tensors.SavedTensorsCounter` the offloaded bytes show
     as ``by_device["cpu"]`` rather than ``cuda``.
 
     Args:

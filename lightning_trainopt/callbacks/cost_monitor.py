@@ -26,9 +26,9 @@ from lightning_trainopt.callbacks._common import (
     log_metrics,
     warn_off,
 )
-from lightning_trainopt.core.cost import CostReport, cost_report
-from lightning_trainopt.core.hardware import HardwareSpec, hardware_spec
-from lightning_trainopt.core.throughput import TrainingWindow
+from lightning_trainopt.metrics.cost import CostReport, cost_report
+from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
+from lightning_trainopt.metrics.throughput import TrainingWindow
 
 __all__ = ["CostMonitor"]
 

@@ -188,7 +188,7 @@ class GPUMonitor(Callback):
                 self.enabled = False
                 warn_off("GPUMonitor", f"nvidia-ml-py is not installed ({install_command('nvml')}).")
                 return
-            from lightning_trainopt.core._torch_private import nvml_device_index
+            from lightning_trainopt._compat.torch_internals import nvml_device_index
 
             try:
                 # torch maps CUDA ordinals to NVML indices through CUDA_VISIBLE_DEVICES, which it cannot always

@@ -12,10 +12,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import json_safe, log_metrics
-from lightning_trainopt.core.memory_accounting import memory_breakdown
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.strategies.report import strategy_offload
+from lightning_trainopt.metrics.memory_accounting import memory_breakdown
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
+from lightning_trainopt.parallel.report import strategy_offload
 
 __all__ = ["MemoryBreakdown", "accounted_model_states"]
 
@@ -23,7 +23,7 @@ ModelStateFn = Callable[[pl.Trainer, pl.LightningModule], dict[str, int]]
 
 
 def accounted_model_states(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
-    """Per-rank model-state bytes from :func:`lightning_trainopt.core.memory_accounting.memory_breakdown`.
+    """Per-rank model-state bytes from :func:`lightning_trainopt.metrics.memory_accounting.memory_breakdown`.
 
     ``params``/``grads``/``optimizer_states`` are the bytes on the compute device; offloaded bytes appear as
     ``<name>_cpu`` and ``<name>_nvme`` when non-zero. ZeRO/FSDP shards count by their local size.
@@ -52,7 +52,7 @@ class MemoryBreakdown(Callback):
     """The four-part memory table (model states, activations, other) per rank at chosen optimizer steps.
 
     Activations are the bytes saved for backward, counted through
-    :class:`~lightning_trainopt.core.saved_tensors.SavedTensorsCounter` during the forward passes of the measured
+    :class:`~lightning_trainopt.metrics.saved_tensors.SavedTensorsCounter` during the forward passes of the measured
     step (the largest micro-batch under accumulation). On CUDA, ``peak`` is the allocator's peak over that step and
     ``other`` = peak - (params + grads + optimizer states + activations): temporaries, workspace, fragmentation.
     On CPU there are no allocator statistics, so ``other`` and ``peak_memory_bytes`` are ``None``.

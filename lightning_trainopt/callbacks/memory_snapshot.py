@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_trainopt._compat import torch_internals as private
 from lightning_trainopt.callbacks._common import find_callback, json_safe, warn_off
 from lightning_trainopt.callbacks._oom_advice import oom_advice
-from lightning_trainopt.core import _torch_private as private
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["MemorySnapshot"]

@@ -14,10 +14,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_trainopt.core.memory_accounting import tensor_leaves
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.techniques.micro_batch import MicroBatchPlan, divisors, fit_linear_bytes, plan_micro_batch
+from lightning_trainopt.metrics.memory_accounting import tensor_leaves
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
+from lightning_trainopt.optim.micro_batch import MicroBatchPlan, divisors, fit_linear_bytes, plan_micro_batch
 
 __all__ = ["MicroBatchFinder"]
 

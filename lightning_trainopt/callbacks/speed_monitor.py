@@ -26,12 +26,12 @@ from lightning_trainopt.callbacks._common import (
     log_interval,
     log_metrics,
 )
-from lightning_trainopt.core.flops import SeqFlops, fit_seq_flops, transformer_flops
-from lightning_trainopt.core.fp8_flops import fp8_flops_share, fp8_linear_shapes
-from lightning_trainopt.core.hardware import HardwareSpec, compute_dtype_key, hardware_spec
-from lightning_trainopt.core.model_shape import GPTConfig
-from lightning_trainopt.core.throughput import BatchSize, TrainingWindow, WindowCounts
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.flops import SeqFlops, fit_seq_flops, transformer_flops
+from lightning_trainopt.metrics.fp8_flops import fp8_flops_share, fp8_linear_shapes
+from lightning_trainopt.metrics.hardware import HardwareSpec, compute_dtype_key, hardware_spec
+from lightning_trainopt.metrics.model_shape import GPTConfig
+from lightning_trainopt.metrics.throughput import BatchSize, TrainingWindow, WindowCounts
 
 __all__ = ["SpeedMonitor"]
 
@@ -51,7 +51,7 @@ def checkpointed_fraction(module: torch.nn.Module, n_blocks: int | None) -> floa
     Counts modules wrapped by our ``ActivationCheckpointing`` (``techniques.checkpointing.is_checkpointed``) and
     torch's ``CheckpointWrapper``. Without ``n_blocks`` (not our model) any wrapper counts as 1.
     """
-    from lightning_trainopt.techniques.checkpointing import is_checkpointed
+    from lightning_trainopt.transforms.checkpointing import is_checkpointed
 
     wrapped = sum(1 for m in module.modules() if type(m).__name__ == "CheckpointWrapper" or is_checkpointed(m))
     if not wrapped:
@@ -82,8 +82,8 @@ class SpeedMonitor(Callback):
     FLOPs per micro-batch come from the analytic formula when the module carries a :class:`GPTConfig` (``config``),
     from a ``flops_per_batch_fn`` you give, or from ``torch.utils.flop_counter``: at the first batch one meta-device
     copy of the module's ``forward`` (+ backward) is counted at four sequence lengths and fitted to
-    ``B * (c + a*T + b*T^2)`` (:func:`~lightning_trainopt.core.flops.fit_seq_flops`), so later lengths cost nothing.
-    The copy carries no hooks and full-shape parameters (:func:`~lightning_trainopt.core.flops.meta_copy`), so a
+    ``B * (c + a*T + b*T^2)`` (:func:`~lightning_trainopt.metrics.flops.fit_seq_flops`), so later lengths cost nothing.
+    The copy carries no hooks and full-shape parameters (:func:`~lightning_trainopt.metrics.flops.meta_copy`), so a
     module that DeepSpeed ZeRO-3 or FSDP2 has sharded and hooked is counted without touching the engine. If counting
     fails (e.g. a forward that reads tensor values) FLOPs are unknown: MFU, HFU and TFLOP/s are left out with one
     warning, tokens/s and samples/s are still reported; it never stops the fit. MFU counts model FLOPs (3x forward);
@@ -386,7 +386,7 @@ class SpeedMonitor(Callback):
 
         A fit resumed from a checkpoint adds to the checkpointed run's windows: the figures are the whole run's.
 
-        Keys: the rates of :class:`~lightning_trainopt.core.throughput.ThroughputWindow`, ``seconds``, ``samples``,
+        Keys: the rates of :class:`~lightning_trainopt.metrics.throughput.ThroughputWindow`, ``seconds``, ``samples``,
         ``tokens``, ``flops_per_token``, ``dtype``, ``peak_tflops``, ``peak_source``, ``hardware``,
         ``flops_source`` (analytic formula, flops_per_batch_fn, flop counter or unknown), ``flops_fit`` (the fitted
         ``c, a, b``, lengths and call, flop counter only), ``flops_note`` (why FLOPs are unknown),
@@ -430,7 +430,7 @@ class SpeedMonitor(Callback):
         """Plain data (``torch.load(weights_only=True)`` reads it): totals, the open window and the run's first step.
 
         Keys: ``totals`` (the closed windows) and ``window`` (the open one, its ``seconds`` of training so far), each
-        :meth:`~lightning_trainopt.core.throughput.WindowCounts.to_dict` (``seconds``, ``batches``, ``samples``,
+        :meth:`~lightning_trainopt.metrics.throughput.WindowCounts.to_dict` (``seconds``, ``batches``, ``samples``,
         ``tokens``, ``model_flops``, ``hardware_flops``, ``flops_known``; ``None``: unknown), and ``start_step`` (the
         global step the run started at, for warm-up).
         """

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_trainopt._compat.torch_internals import is_compiled
 from lightning_trainopt.callbacks._comm_probe import CommProbe, attach_comm_probe
 from lightning_trainopt.callbacks._common import (
     Clock,
@@ -21,9 +22,8 @@ from lightning_trainopt.callbacks._common import (
     log_interval,
     log_metrics,
 )
-from lightning_trainopt.core._torch_private import is_compiled
-from lightning_trainopt.core.step_time import StepSplit, Verdict, split_marks, step_verdict
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.step_time import StepSplit, Verdict, split_marks, step_verdict
 
 __all__ = ["StepTimer"]
 
@@ -346,7 +346,7 @@ class StepTimer(Callback):
         ``data_wait`` is the timed fetch (false: the whole gap between steps, an upper bound).
         ``comm_frac`` is among the fractions only when ``comm_measured``; ``comm_probe`` names the probe of the last
         fit (``ddp_comm_hook`` or None) and ``comm_note`` why there was none (None on a single device);
-        ``verdict``, ``reason`` and ``remedies`` come from :func:`~lightning_trainopt.core.step_time.step_verdict`.
+        ``verdict``, ``reason`` and ``remedies`` come from :func:`~lightning_trainopt.metrics.step_time.step_verdict`.
         """
         total = self._total
         out: dict[str, Any] = {f"{k}_frac": v for k, v in total.fractions().items()}

@@ -10,8 +10,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import log_interval, log_metrics
-from lightning_trainopt.core.schedules import check_warmup_cosine, resolve_warmup_steps, warmup_cosine_factor
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.optim.schedules import check_warmup_cosine, resolve_warmup_steps, warmup_cosine_factor
 
 __all__ = ["WarmupCosineLR"]
 
@@ -25,7 +25,7 @@ class WarmupCosineLR(Callback):
     a second fit with another learning rate gets its own curve). When Lightning restores the callback from a
     checkpoint (``ckpt_path``), the checkpoint's peaks, total and position are used instead, so a resumed run
     continues the interrupted curve exactly. The curve is the one of ``scheduler=warmup_cosine``
-    (:func:`~lightning_trainopt.core.schedules.warmup_cosine_factor`).
+    (:func:`~lightning_trainopt.optim.schedules.warmup_cosine_factor`).
 
     The schedule's step is the optimizer step (``global_step``) under automatic optimization. Under manual
     optimization it is the number of training batches in which at least one optimizer stepped, whatever the number
@@ -35,8 +35,8 @@ class WarmupCosineLR(Callback):
     Args:
         warmup_steps: steps of linear warmup; shorter than the schedule.
         warmup_ratio: the warmup as a fraction in ``[0, 1)`` of the schedule's steps, rounded down
-            (:func:`~lightning_trainopt.core.schedules.resolve_warmup_steps`). Give at most one of the two; neither:
-            :data:`~lightning_trainopt.core.schedules.DEFAULT_WARMUP_RATIO`, so the default fits a run of any length
+            (:func:`~lightning_trainopt.optim.schedules.resolve_warmup_steps`). Give at most one of the two; neither:
+            :data:`~lightning_trainopt.optim.schedules.DEFAULT_WARMUP_RATIO`, so the default fits a run of any length
             (a run under 30 steps has no warmup).
         total_steps: steps of the whole schedule. Default: ``trainer.estimated_stepping_batches`` (Lightning's
             "batches that will ``optimizer.step()``"). Under manual optimization with several optimizers and a

@@ -1,5 +1,5 @@
 """Shape of the LLaMA-style demo transformer: the plain data lives in ``core`` (which imports no model code)."""
 
-from lightning_trainopt.core.model_shape import GPTConfig
+from lightning_trainopt.metrics.model_shape import GPTConfig
 
 __all__ = ["GPTConfig"]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_trainopt.models.config import GPTConfig
-from lightning_trainopt.techniques.attention import attention
+from lightning_trainopt.transforms.attention import attention
 
 __all__ = ["GPT", "Block"]
 

@@ -15,7 +15,7 @@ from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
 from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
 from lightning_trainopt.models.optimization import OptimizerFactory
-from lightning_trainopt.techniques.chunked_loss import head_returns_loss
+from lightning_trainopt.transforms.chunked_loss import head_returns_loss
 
 __all__ = ["LitCausalLM"]
 

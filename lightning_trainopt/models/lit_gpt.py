@@ -11,18 +11,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
-from lightning_trainopt.core.schedules import (
+from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.models.gpt import GPT
+from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
+from lightning_trainopt.models.optimization import OptimizerFactory
+from lightning_trainopt.optim.schedules import (
     DEFAULT_WARMUP_RATIO,
     check_warmup_cosine,
     resolve_warmup_steps,
     warmup_cosine_factor,
 )
-from lightning_trainopt.models.config import GPTConfig
-from lightning_trainopt.models.gpt import GPT
-from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
-from lightning_trainopt.models.optimization import OptimizerFactory
-from lightning_trainopt.techniques.attention import document_ids
-from lightning_trainopt.techniques.chunked_loss import head_returns_loss
+from lightning_trainopt.transforms.attention import document_ids
+from lightning_trainopt.transforms.chunked_loss import head_returns_loss
 
 __all__ = ["LitGPT", "warmup_cosine"]
 
@@ -37,8 +37,8 @@ def warmup_cosine(
     """Linear warmup then cosine decay to ``min_lr_ratio`` of the peak, stepped once per optimizer step.
 
     The warmup is ``warmup_steps`` if given, else ``warmup_ratio`` (default
-    :data:`~lightning_trainopt.core.schedules.DEFAULT_WARMUP_RATIO`) of ``total_steps``, rounded down
-    (:func:`~lightning_trainopt.core.schedules.resolve_warmup_steps`); one line on rank 0 says which it resolved to.
+    :data:`~lightning_trainopt.optim.schedules.DEFAULT_WARMUP_RATIO`) of ``total_steps``, rounded down
+    (:func:`~lightning_trainopt.optim.schedules.resolve_warmup_steps`); one line on rank 0 says which it resolved to.
 
     Raises:
         ConfigError: both warmups given, a warmup not shorter than the run, or a bad value (naming the key).

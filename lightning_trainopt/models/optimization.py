@@ -38,7 +38,7 @@ def _fused_kwargs(module: pl.LightningModule, factory: OptimizerFactory | None) 
     """The fused kernel for the ``adamw`` preset on CUDA, where it is safe (see ``fused_adam_kwargs``)."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from lightning_trainopt.techniques.optimizers import fused_adam_kwargs
+    from lightning_trainopt.optim.optimizers import fused_adam_kwargs
 
     trainer = module._trainer
     if trainer is None:

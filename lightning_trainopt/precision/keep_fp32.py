@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_trainopt.core._torch_private import reparametrized
+from lightning_trainopt._compat.torch_internals import reparametrized
 
 __all__ = ["is_kept_fp32", "keep_in_fp32"]
 

@@ -9,9 +9,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from lightning_trainopt.app.cli import CONFIG_DIR
+from lightning_trainopt.launch.cli import CONFIG_DIR
 
-REPO_ROOT = Path(CONFIG_DIR).parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # A model and run small enough for a fit to take seconds on one CPU core.
 TINY = (

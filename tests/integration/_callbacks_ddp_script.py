@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 
 import lightning_trainopt.callbacks as cbs  # noqa: E402
-from lightning_trainopt.app.multirun import teardown_distributed  # noqa: E402
+from lightning_trainopt.launch.multirun import teardown_distributed  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer  # noqa: E402
 
 # On CPU the finder needs a byte budget (it refuses to guess one).
@@ -32,11 +32,11 @@ def _strategy(name: str, ours: bool = True) -> object:
         return "ddp"
     from omegaconf import OmegaConf
 
+    from lightning_trainopt.parallel import build_strategy
     from lightning_trainopt.precision import PrecisionSpec
-    from lightning_trainopt.strategies import build_strategy
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    node = OmegaConf.load(os.path.join(root, "conf", "strategy", f"{name}.yaml"))
+    node = OmegaConf.load(os.path.join(root, "lightning_trainopt", "conf", "strategy", f"{name}.yaml"))
     # The tiny model's matrices are below the preset's persistence threshold: partition them all so the per-rank
     # figures show ZeRO-3 sharding; CPU-sized buckets.
     small = {"param_persistence_threshold": 0, "allgather_bucket_size": 200_000, "reduce_bucket_size": 200_000}

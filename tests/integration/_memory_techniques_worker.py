@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from lightning_trainopt.app.multirun import teardown_distributed  # noqa: E402
 from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing  # noqa: E402
 from lightning_trainopt.callbacks.activation_compression import ActivationCompression  # noqa: E402
 from lightning_trainopt.callbacks.micro_batch_finder import MicroBatchFinder  # noqa: E402
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter  # noqa: E402
 from lightning_trainopt.data.datamodule import TextDataModule  # noqa: E402
+from lightning_trainopt.launch.multirun import teardown_distributed  # noqa: E402
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter  # noqa: E402
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
 
@@ -112,7 +112,7 @@ def _strategy(name: str) -> Any:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    from lightning_trainopt.strategies import TrainOptDeepSpeedStrategy
+    from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy
 
     return TrainOptDeepSpeedStrategy(stage=int(name[-1]), preset=name)
 

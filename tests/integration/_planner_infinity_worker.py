@@ -25,9 +25,9 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from lightning_trainopt.data import TextDataModule  # noqa: E402
 from lightning_trainopt.models import GPTConfig, LitGPT  # noqa: E402
+from lightning_trainopt.parallel import build_strategy  # noqa: E402
 from lightning_trainopt.precision import PrecisionSpec  # noqa: E402
 from lightning_trainopt.precision.plugins import trainer_precision_kwargs  # noqa: E402
-from lightning_trainopt.strategies import build_strategy  # noqa: E402
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -117,7 +117,7 @@ class Probe(pl.Callback):
 
 
 def main(out: str, precision: str, *overrides: str) -> None:
-    conf = ROOT / "conf"
+    conf = ROOT / "lightning_trainopt" / "conf"
     node = OmegaConf.merge(OmegaConf.load(conf / "strategy" / "zero_infinity.yaml"), OmegaConf.from_dotlist(overrides))
     model = dict(OmegaConf.to_container(OmegaConf.load(conf / "model" / "gpt_tiny.yaml")))
     model.pop("_target_")
@@ -142,7 +142,7 @@ def main(out: str, precision: str, *overrides: str) -> None:
         **trainer_precision_kwargs(spec, strategy),
     )
     trainer.fit(LitGPT(GPTConfig(**model)), datamodule=dm)
-    from lightning_trainopt.app.multirun import teardown_distributed
+    from lightning_trainopt.launch.multirun import teardown_distributed
 
     teardown_distributed()
 

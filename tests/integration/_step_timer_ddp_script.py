@@ -25,8 +25,8 @@ from torch import nn  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_trainopt.app.multirun import teardown_distributed  # noqa: E402
 from lightning_trainopt.callbacks import StepTimer  # noqa: E402
+from lightning_trainopt.launch.multirun import teardown_distributed  # noqa: E402
 from tests.helpers.tiny_fit import tiny_trainer  # noqa: E402
 
 # name -> (width, layers, micro-batch rows, accumulate_grad_batches, DDPStrategy kwargs).

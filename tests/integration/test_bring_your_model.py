@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lightning_trainopt.app.train import train
+from lightning_trainopt.launch.train import train
 from tests.helpers.compose import REPO_ROOT, compose_config
 
 pytest.importorskip("transformers")
@@ -233,7 +233,7 @@ def test_the_zero3_checkpoint_of_an_hf_model_converts_to_a_save_pretrained_direc
     import torch
     import transformers
 
-    from lightning_trainopt.app.convert import convert_zero_to_fp32
+    from lightning_trainopt.checkpoint.convert import convert_zero_to_fp32
 
     config_file, runs = llama_sweep
     sweep = config_file.parents[1] / "sweep"

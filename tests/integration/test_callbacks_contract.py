@@ -227,8 +227,8 @@ def test_monitors_and_checkpointing_on_user_modules_under_sharded_strategies(tmp
     # both ranks ("IndexError: pop from an empty deque"); FSDP2 refused a module without configure_model.
     if model.startswith("hf_"):
         pytest.importorskip("transformers")
-    from lightning_trainopt.core.flops import fit_seq_flops
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.metrics.flops import fit_seq_flops
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 
     ranks = _run_ddp(tmp_path, [*MONITORS, "ActivationCheckpointing"], strategy, model)
     # What the same module counts unsharded, in this process, with the same blocks checkpointed.

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from lightning_trainopt.app.validate import validate_config
+from lightning_trainopt.config.validate import validate_config
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 
 # Only the model and the data are made small: trainer.max_steps and the scheduler's warmup stay the preset's and the

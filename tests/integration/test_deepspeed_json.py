@@ -102,7 +102,7 @@ def test_inconsistent_train_batch_size_is_refused_before_any_process_spawns(
 ):
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    from lightning_trainopt.app.train import train
+    from lightning_trainopt.launch.train import train
 
     def spawned(*args, **kwargs):
         raise AssertionError("a rank was spawned before the config was refused")

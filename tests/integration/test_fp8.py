@@ -86,7 +86,7 @@ def test_fp8_trains_and_resumes_exactly(tmp_path, strategy):
     assert resumed["train_loss"] == full["train_loss"]
     assert resumed["val_loss"] == full["val_loss"]
     if strategy == "zero3":
-        from lightning_trainopt.app.convert import convert_zero_to_fp32
+        from lightning_trainopt.checkpoint.convert import convert_zero_to_fp32
 
         # Float8Linear keeps nn.Linear's parameter names: the consolidated state dict loads into the plain GPT
         # (convert_zero_to_fp32 checks that strictly, from the shape the checkpoint records).

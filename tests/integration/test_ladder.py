@@ -50,7 +50,7 @@ def test_plan_and_ladder_notebook_executes(tmp_path):
     assert (out / "ladder.png").stat().st_size > 1000
     # The predicted ladder has the experiment's rungs, in its sweep order.
     sweep = next(
-        line for line in (ROOT / "conf/experiment/ladder.yaml").read_text().splitlines() if "ladder_rung:" in line
+        line for line in (ROOT / "lightning_trainopt/conf/experiment/ladder.yaml").read_text().splitlines() if "ladder_rung:" in line
     )
     rungs = sweep.split(":", 1)[1].strip().split(",")
     assert len(rungs) == 7
@@ -136,7 +136,7 @@ def test_short_ladder_fills_every_column_it_can_and_says_why_not(short_ladder):
 
 @pytest.mark.slow
 def test_short_ladder_plot_has_measured_and_predicted_in_both_panels(short_ladder):
-    from lightning_trainopt.app.ladder import collect_ladder, ladder_figure
+    from lightning_trainopt.experiments.ladder import collect_ladder, ladder_figure
 
     assert (short_ladder / "ladder.png").stat().st_size > 1000
     fig = ladder_figure(collect_ladder(short_ladder))

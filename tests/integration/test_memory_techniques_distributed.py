@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.models.gpt import GPT
 from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf

@@ -62,7 +62,7 @@ def test_ddp_x_deepspeed_sweep_runs_each_job_once(tmp_path):
     assert zero_stages == {None, 2}
     # The DeepSpeed jobs report the preset's configured rate, not the first step's (half of it after warmup's first of
     # 2 steps) nor where the cosine ended.
-    peak = OmegaConf.load(REPO_ROOT / "conf" / "optimizer" / "adamw.yaml").lr
+    peak = OmegaConf.load(REPO_ROOT / "lightning_trainopt" / "conf" / "optimizer" / "adamw.yaml").lr
     for job in jobs:
         metrics = json.loads((job / "metrics.json").read_text())
         if metrics["zero_stage"] == 2:

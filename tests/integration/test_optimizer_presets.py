@@ -7,16 +7,16 @@ import math
 
 import pytest
 
-from lightning_trainopt.app.train import train
+from lightning_trainopt.launch.train import train
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 from tests.helpers.runif import RunIf
 
-PRESETS = sorted(p.stem for p in (REPO_ROOT / "conf" / "optimizer").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (REPO_ROOT / "lightning_trainopt" / "conf" / "optimizer").glob("*.yaml"))
 _NEEDS = {"bitsandbytes": RunIf(bnb=True), "torchao": RunIf(torchao=True)}
 
 
 def _package(preset: str) -> str | None:
-    target = (REPO_ROOT / "conf" / "optimizer" / f"{preset}.yaml").read_text()
+    target = (REPO_ROOT / "lightning_trainopt" / "conf" / "optimizer" / f"{preset}.yaml").read_text()
     if "torchao" in target:
         return "torchao"
     if ".bnb_" in target or "bitsandbytes" in target:

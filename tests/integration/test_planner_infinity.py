@@ -32,11 +32,11 @@ def _async_io_ok() -> bool:
 
 
 def _predicted(precision: str, overrides: list[str]) -> dict[str, int]:
-    from lightning_trainopt.app.plan_inputs import strategy_layout
-    from lightning_trainopt.core.estimate import OPTIMIZER_STATES, estimate_model_states, gpt_param_groups
+    from lightning_trainopt.config.plan_inputs import strategy_layout
     from lightning_trainopt.models import GPTConfig
+    from lightning_trainopt.planner import OPTIMIZER_STATES, estimate_model_states, gpt_param_groups
 
-    conf = ROOT / "conf"
+    conf = ROOT / "lightning_trainopt" / "conf"
     node = OmegaConf.merge(OmegaConf.load(conf / "strategy" / "zero_infinity.yaml"), OmegaConf.from_dotlist(overrides))
     model = OmegaConf.to_container(OmegaConf.load(conf / "model" / "gpt_tiny.yaml"))
     model.pop("_target_")

@@ -8,7 +8,7 @@ import math
 import subprocess
 import sys
 
-from lightning_trainopt.core.model_shape import GPTConfig
+from lightning_trainopt.metrics.model_shape import GPTConfig
 from tests.helpers.compose import REPO_ROOT
 from tests.helpers.prepared import STDLIB, read_stream
 

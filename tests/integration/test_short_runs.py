@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_trainopt.app.train import train
+from lightning_trainopt.launch.train import train
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 from tests.helpers.runif import RunIf
 

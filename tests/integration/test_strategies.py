@@ -205,7 +205,7 @@ def test_zero3_checkpoint_converts_to_a_plain_gpt_state_dict(tmp_path, resume_ru
     """
     import torch
 
-    from lightning_trainopt.app.convert import convert_zero_to_fp32
+    from lightning_trainopt.checkpoint.convert import convert_zero_to_fp32
     from lightning_trainopt.models import GPT, GPTConfig
 
     ckpt_root, full, _ = resume_runs

@@ -10,7 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_trainopt.app.train import train
+from lightning_trainopt.launch.train import train
 from tests.helpers.compose import REPO_ROOT, TINY, compose_config
 from tests.helpers.runif import RunIf
 from tests.helpers.scaler_probe import SEEN
@@ -172,7 +172,7 @@ def test_documented_zero3_command_runs_stage_3(headline_zero3_run):
     assert metrics["precision"] == "bf16"
     # The preset's configured rate, not where the cosine ended (that it is not the first step's rate under warmup is
     # checked in test_multirun.py's sweep, whose runs warm up).
-    peak = OmegaConf.load(REPO_ROOT / "conf" / "optimizer" / "adamw.yaml").lr
+    peak = OmegaConf.load(REPO_ROOT / "lightning_trainopt" / "conf" / "optimizer" / "adamw.yaml").lr
     assert metrics["optimizer"]["name"] == "AdamW"
     assert metrics["optimizer"]["lr"] == pytest.approx(peak)
     assert metrics["optimizer"]["lr_now"] < peak

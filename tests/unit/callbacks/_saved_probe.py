@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_trainopt.core.saved_tensors import SavedTensorsCounter, SavedTensorsReport
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter, SavedTensorsReport
 
 
 class SavedProbe(pl.Callback):

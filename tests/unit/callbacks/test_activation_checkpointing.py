@@ -10,7 +10,7 @@ from torch import nn
 from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_trainopt.callbacks.speed_monitor import checkpointed_fraction
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.techniques.checkpointing import is_checkpointed
+from lightning_trainopt.transforms.checkpointing import is_checkpointed
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._saved_probe import SavedProbe
 

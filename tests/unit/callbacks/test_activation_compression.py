@@ -5,8 +5,8 @@ import torch
 
 from lightning_trainopt.callbacks.activation_compression import ActivationCompression
 from lightning_trainopt.callbacks.activation_offload import ActivationOffload
-from lightning_trainopt.core.saved_tensors import _STATE
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.metrics.saved_tensors import _STATE
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._saved_probe import SavedProbe
 

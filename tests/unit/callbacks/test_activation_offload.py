@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lightning_trainopt.callbacks.activation_offload import ActivationOffload
-from lightning_trainopt.core.saved_tensors import _STATE, SavedTensorsCounter, transform_saved_tensors
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.techniques.offload import CpuOffloader
+from lightning_trainopt.metrics.saved_tensors import _STATE, SavedTensorsCounter, transform_saved_tensors
+from lightning_trainopt.transforms.offload import CpuOffloader
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 

@@ -7,9 +7,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import lightning_trainopt.callbacks as cbs
-from lightning_trainopt.core.hardware import HardwareSpec
+from lightning_trainopt.metrics.hardware import HardwareSpec
 
-CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf"))
+CONF = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "lightning_trainopt", "conf"))
 HARDWARE = sorted(f[:-5] for f in os.listdir(os.path.join(CONF, "hardware")) if f.endswith(".yaml"))
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lightning_trainopt.callbacks import CostMonitor, StepTimer
-from lightning_trainopt.core.hardware import hardware_spec
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.hardware import hardware_spec
 from tests.helpers.tiny_fit import ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
 from tests.unit.callbacks._foreign import ObjectBatchClassifier, loader, object_batches

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from lightning_trainopt._compat import torch_internals as private
 from lightning_trainopt.callbacks import (
     ActivationCheckpointing,
     GPUMonitor,
@@ -18,10 +19,9 @@ from lightning_trainopt.callbacks import (
     MemorySnapshot,
     StepTimer,
 )
-from lightning_trainopt.core import _torch_private as private
-from lightning_trainopt.core.saved_tensors import _STATE
+from lightning_trainopt.metrics.saved_tensors import _STATE
 from lightning_trainopt.models.lit_gpt import LitGPT
-from lightning_trainopt.techniques.checkpointing import is_checkpointed
+from lightning_trainopt.transforms.checkpointing import is_checkpointed
 from tests.helpers.tiny_fit import TINY, tiny_data, tiny_trainer
 
 

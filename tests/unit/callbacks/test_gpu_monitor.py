@@ -76,7 +76,7 @@ def test_unresolvable_device_index_switches_the_monitor_off(monkeypatch):
     pytest.importorskip("pynvml")
     from types import SimpleNamespace
 
-    from lightning_trainopt.core import _torch_private
+    from lightning_trainopt._compat import torch_internals as _torch_private
 
     def unresolvable(ordinal):
         raise RuntimeError("device 0 is not visible (CUDA_VISIBLE_DEVICES=MIG-...)")

@@ -4,8 +4,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_trainopt.callbacks import MemoryBreakdown
-from lightning_trainopt.core.saved_tensors import measure_saved_tensors
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.saved_tensors import measure_saved_tensors
 from lightning_trainopt.models.lit_gpt import LitGPT
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer

@@ -64,7 +64,7 @@ def test_a_run_that_ends_inside_the_window_still_writes_it(tmp_path, monkeypatch
     # The allocator calls are CUDA-only: record what the hooks ask for (the GPU test above runs the real ones).
     from types import SimpleNamespace
 
-    from lightning_trainopt.core import _torch_private as private
+    from lightning_trainopt._compat import torch_internals as private
 
     dumped = []
     monkeypatch.setattr(private, "start_memory_history", lambda max_entries: None)

@@ -134,7 +134,7 @@ class _LossOutsideForward(pl.LightningModule):
         return self.head(self.body(self.emb(x)))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        from lightning_trainopt.core.saved_tensors import SavedTensorsCounter
+        from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
 
         x, y = batch
         with SavedTensorsCounter(params=self.parameters()) as counter:
@@ -188,7 +188,7 @@ def test_forward_fn_replaces_the_training_step() -> None:
 
 def test_probe_measures_state_bytes_on_cpu_with_one_copy_per_shape() -> None:
     from lightning_trainopt.callbacks.micro_batch_finder import _probe_state_bytes
-    from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
+    from lightning_trainopt.optim.optimizer_states import optimizer_state_bytes
 
     module = tiny_module()
     module.configure_model()
@@ -215,8 +215,8 @@ def test_probe_measures_state_bytes_on_cpu_with_one_copy_per_shape() -> None:
 @RunIf(bnb=True)
 def test_probe_matches_a_bitsandbytes_mix_of_8bit_and_fp32_states() -> None:
     from lightning_trainopt.callbacks.micro_batch_finder import _probe_state_bytes
-    from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
-    from lightning_trainopt.techniques.optimizers import bitsandbytes_optimizer
+    from lightning_trainopt.optim.optimizer_states import optimizer_state_bytes
+    from lightning_trainopt.optim.optimizers import bitsandbytes_optimizer
 
     layers = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 8))
     optimizer = bitsandbytes_optimizer(layers.parameters(), name="AdamW8bit", lr=1e-3, min_8bit_size=4096)
@@ -263,7 +263,7 @@ def test_warns_when_the_global_batch_divides_badly() -> None:
 def test_probe_allocates_nothing_on_the_gpu() -> None:
     # The probe used to build zero copies of every parameter, gradient and state on the device it guards.
     from lightning_trainopt.callbacks.micro_batch_finder import _probe_state_bytes
-    from lightning_trainopt.techniques.optimizer_states import optimizer_state_bytes
+    from lightning_trainopt.optim.optimizer_states import optimizer_state_bytes
 
     layers = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
     optimizer = torch.optim.AdamW(layers.parameters(), lr=1e-3)

@@ -10,8 +10,8 @@ import lightning_trainopt.callbacks.cost_monitor as cost_monitor_module
 import lightning_trainopt.callbacks.speed_monitor as speed_monitor_module
 from lightning_trainopt.callbacks import CostMonitor, SpeedMonitor
 from lightning_trainopt.callbacks.speed_monitor import checkpointed_fraction
-from lightning_trainopt.core.flops import count_flops, transformer_flops
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.flops import count_flops, transformer_flops
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
@@ -145,7 +145,7 @@ def test_a_foreign_modules_recompute_is_measured_not_counted_as_model_flops():
     # recomputed forward is counted while counting; it must go to HFU only, and MFU must stay the unwrapped
     # module's FLOPs (counting it into both would overstate MFU and count the recompute twice in HFU).
     from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
-    from lightning_trainopt.techniques.checkpointing import CheckpointPolicy, apply_activation_checkpointing
+    from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 
     batches = padded_batches(2)
     clock = StepClock(dt=1.0)
@@ -174,7 +174,7 @@ def test_a_module_that_checkpoints_itself_gets_its_measured_recompute(with_callb
     # gradient_checkpointing_enable() style: no wrapper to find. Our ActivationCheckpointing (if present) wraps
     # nothing; the recompute is still measured from what the module executes.
     from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
-    from lightning_trainopt.core.flops import fit_seq_flops
+    from lightning_trainopt.metrics.flops import fit_seq_flops
     from tests.unit.callbacks._foreign import SelfCheckpointingClassifier
 
     batches = padded_batches(2)
@@ -200,7 +200,7 @@ def test_a_module_that_checkpoints_itself_gets_its_measured_recompute(with_callb
 
 
 def test_a_torch_that_cannot_tell_recompute_apart_does_not_count_it_twice(monkeypatch):
-    import lightning_trainopt.core._torch_private as private
+    import lightning_trainopt._compat.torch_internals as private
     from tests.unit.callbacks._foreign import SelfCheckpointingClassifier
 
     monkeypatch.setattr(private, "_count_flops_overridable", lambda: False)

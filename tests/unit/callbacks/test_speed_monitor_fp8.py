@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_trainopt.callbacks import SpeedMonitor
-from lightning_trainopt.core.flops import transformer_flops
-from lightning_trainopt.core.fp8_flops import fp8_flops_share, fp8_linear_shapes
+from lightning_trainopt.metrics.flops import transformer_flops
+from lightning_trainopt.metrics.fp8_flops import fp8_flops_share, fp8_linear_shapes
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
 

@@ -12,9 +12,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_trainopt.callbacks.step_timer as step_timer_module
+from lightning_trainopt._compat.torch_internals import is_compiled
 from lightning_trainopt.callbacks import StepTimer
 from lightning_trainopt.callbacks._comm_probe import CommProbe, _HookState, attach_comm_probe, timed_allreduce_hook
-from lightning_trainopt.core._torch_private import is_compiled
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.lit_gpt import LitGPT

@@ -6,9 +6,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_trainopt.callbacks import WarmupCosineLR
-from lightning_trainopt.core.schedules import warmup_cosine_factor
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.models.lit_gpt import warmup_cosine
+from lightning_trainopt.optim.schedules import warmup_cosine_factor
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._foreign import TwoOptimizers
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import GPT, GPTConfig
-from lightning_trainopt.techniques.attention import document_ids
+from lightning_trainopt.transforms.attention import document_ids
 
 SHAPE = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 172}
 
@@ -46,7 +46,7 @@ def test_an_unknown_kernel_names_the_key():
 
 @pytest.mark.parametrize("kernel", ["efficient", "cudnn", "flash_attn"])
 def test_a_cuda_kernel_is_refused_before_training_on_a_cpu(tmp_path, kernel):
-    from lightning_trainopt.app.validate import validate_config
+    from lightning_trainopt.config.validate import validate_config
     from tests.helpers.compose import compose_config
 
     cfg = compose_config([f"model.attention={kernel}", "trainer.accelerator=cpu"], tmp_path)
@@ -54,6 +54,6 @@ def test_a_cuda_kernel_is_refused_before_training_on_a_cpu(tmp_path, kernel):
         validate_config(cfg)
     assert err.value.key == "model.attention"
     # A plan for GPU hardware is not refused here.
-    from lightning_trainopt.app.plan import plan
+    from lightning_trainopt.config.plan import plan
 
     assert plan(compose_config([f"model.attention={kernel}", "hardware=h100"], tmp_path, name="plan")).estimate

@@ -8,7 +8,7 @@ import torch
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import GPTConfig, HFModelConfig, LitCausalLM, LitGPT
-from lightning_trainopt.techniques.chunked_loss import ChunkedLMHeadLoss
+from lightning_trainopt.transforms.chunked_loss import ChunkedLMHeadLoss
 from tests.helpers.compose import compose_config
 
 SHAPE = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=172, vocab_size=256, max_seq_len=64)
@@ -55,7 +55,7 @@ def test_lit_causal_lm_with_the_chunked_loss_equals_the_models_own_loss(kind, tm
 
 
 def test_a_users_module_with_a_head_loss_is_refused_naming_the_key(tmp_path):
-    from lightning_trainopt.app.model_factory import build_lightning_module
+    from lightning_trainopt.config.model_factory import build_lightning_module
 
     cfg = compose_config(["model=module", "model._target_=tests.helpers.user_module.UserLM", "loss=chunked_ce"])
     with pytest.raises(ConfigError, match="use loss=standard") as err:
@@ -80,7 +80,7 @@ def test_document_attention_masks_at_the_eos_id():
 
 
 def test_a_head_loss_with_compile_under_fsdp2_is_refused_before_training(tmp_path):
-    from lightning_trainopt.app.validate import validate_config
+    from lightning_trainopt.config.validate import validate_config
     from lightning_trainopt.exceptions import IncompatibleConfigError
 
     base = ["loss=chunked_ce", "compile=true", "trainer.accelerator=cpu"]

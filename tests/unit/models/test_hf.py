@@ -153,7 +153,7 @@ def test_pretrained_weights_load_into_zero3_partitions_one_parameter_at_a_time(t
             module.configure_model()
         # What TrainOptDeepSpeedStrategy runs after the build: it must leave loaded weights as loaded (without the
         # mark it would redraw them: a checkpoint at val loss 8.12 under DDP validated at 5.56 under ZeRO-3).
-        from lightning_trainopt.strategies.deepspeed import _rerun_custom_init
+        from lightning_trainopt.parallel.deepspeed import _rerun_custom_init
 
         _rerun_custom_init(module, existing=set())
         for (name, p), q in zip(module.model.named_parameters(), saved.parameters(), strict=True):

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import GPT, GPTConfig
+from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
 from lightning_trainopt.precision import (
     FP8PrecisionSpec,
     PrecisionSpec,
@@ -19,7 +20,6 @@ from lightning_trainopt.precision import (
     convert_model,
     trainer_precision_kwargs,
 )
-from lightning_trainopt.strategies import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
 from tests.helpers.runif import RunIf
 
 TINY = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, vocab_size=256, max_seq_len=32)

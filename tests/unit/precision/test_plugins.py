@@ -4,8 +4,8 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from lightning_trainopt.exceptions import IncompatibleConfigError
+from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
 from lightning_trainopt.precision import PrecisionSpec, trainer_precision_kwargs
-from lightning_trainopt.strategies import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
 
 FP16_SCALED = PrecisionSpec(name="fp16", trainer_precision="16-mixed", init_scale=1024.0, growth_interval=7)
 

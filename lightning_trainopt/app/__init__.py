@@ -1,1 +1,0 @@
-"""The training and planning applications: train(cfg), plan(cfg), validation, pre-flight checks, reports."""

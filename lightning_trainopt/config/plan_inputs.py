@@ -1,0 +1,484 @@
+"""Turn the Hydra config tree (the same groups as ``train.py``) into the planner's plain inputs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
+from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.parallel.spec import AUTO, StrategySpec, parse_strategy
+from lightning_trainopt.planner import (
+    ActivationPolicy,
+    LossPlan,
+    ModelProfile,
+    OptimizerStateModel,
+    PlanInputs,
+    SearchSpace,
+    StrategyLayout,
+    optimizer_state_model,
+)
+
+__all__ = [
+    "NO_STRATEGY",
+    "activation_policy",
+    "build_plan_inputs",
+    "check_compatible",
+    "deepspeed_user_config",
+    "hardware_from_cfg",
+    "json_accumulation",
+    "layout_of",
+    "load_preset",
+    "model_of",
+    "optimizer_from_cfg",
+    "search_space_from_cfg",
+    "strategy_layout",
+    "validate_like_train",
+]
+
+
+# The search's name for "no +strategy" (Lightning's single device): what the ddp preset stands for on one device.
+NO_STRATEGY = "none"
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _walk(obj: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(obj, dict):
+        yield obj
+        for v in obj.values():
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+
+
+def deepspeed_user_config(node: Any) -> dict[str, Any] | None:
+    """The user's DeepSpeed JSON of a strategy node (``strategy.config``: a path or a mapping), or ``None``.
+
+    Lightning's ``DeepSpeedStrategy`` uses such a config as is and ignores its own ``stage``/``offload_*`` arguments,
+    so the planner reads the JSON, as the builder does (both through :func:`parse_strategy`).
+
+    Raises:
+        ConfigError: ``strategy.config`` is missing (``???``), not a readable JSON object, or neither path nor mapping.
+    """
+    config = parse_strategy(node).config
+    return None if config is None else copy.deepcopy(dict(config))
+
+
+def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
+    """The layout of a ``conf/strategy`` preset node (``None``: Lightning's default for ``world_size`` devices).
+
+    The node is read by :func:`parse_strategy`, as ``train.py``'s builder reads it: a DeepSpeed node with ``config``
+    (``+strategy=deepspeed_json strategy.config=FILE``) from the JSON, with DeepSpeed's defaults for what the JSON
+    leaves out; a preset from its keyword arguments, with the strategy class's defaults. A DDP preset stays DDP on
+    one device too (Lightning wraps the model in DDP whatever the world).
+
+    Raises:
+        ConfigError: a strategy the planner does not model, or a bad value in the strategy node or its JSON.
+    """
+    return layout_of(parse_strategy(node), world_size)
+
+
+def layout_of(spec: StrategySpec, world_size: int) -> StrategyLayout:
+    """The planner's :class:`StrategyLayout` of a :class:`StrategySpec` on ``world_size`` devices.
+
+    Raises:
+        ConfigError: ZeRO stage 0, a partial optimizer offload (``ratio``), or a kind the planner does not model.
+    """
+    if spec.kind == "none":
+        return StrategyLayout(name="ddp" if world_size > 1 else "single", kind="ddp" if world_size > 1 else "single")
+    if spec.kind == "ddp":
+        return StrategyLayout(name=spec.name, kind="ddp")
+    if spec.kind == "fsdp":
+        return StrategyLayout(
+            name=spec.name, kind="fsdp", offload_params=spec.offload_params, offload_optimizer=spec.offload_optimizer
+        )
+    if spec.kind != "deepspeed" or spec.zero is None:
+        raise ConfigError(
+            "strategy._target_", spec.target, "the planner models ddp, zero1/2/3 (+offload, infinity) and fsdp."
+        )
+    zero = spec.zero
+    if zero.stage == 0:
+        where = "in the JSON" if spec.from_json else "with strategy.stage=1, 2 or 3"
+        raise ConfigError(
+            spec.key("stage"), 0, f"the planner models ZeRO stages 1, 2 and 3 (0 is no ZeRO); set the stage {where}."
+        )
+    if zero.offload_optimizer_ratio != 1.0:
+        raise ConfigError(
+            spec.key("offload_optimizer.ratio"),
+            zero.offload_optimizer_ratio,
+            "the planner models whole offload only; remove ratio (or set 1.0) to plan the run.",
+        )
+    return StrategyLayout(
+        name=spec.name,
+        kind="deepspeed",
+        zero_stage=zero.stage,
+        offload_optimizer=spec.offload_optimizer,
+        offload_params=spec.offload_params,
+        # `auto` (the ZeRO-1/2 presets): the cap here; the model's parameter count, at most the cap, is planned
+        # (StrategyLayout.bucket_numel), as the builder runs it.
+        reduce_bucket_size=int(zero.with_buckets_for(None).reduce_bucket_size),
+        buckets_sized_to_model=zero.reduce_bucket_size == AUTO,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        overlap_comm=zero.overlap_comm,
+        contiguous_gradients=zero.contiguous_gradients,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_live_parameters=zero.max_live_parameters,
+        max_reuse_distance=zero.max_reuse_distance,
+        sub_group_size=zero.sub_group_size,
+        optimizer_buffer_count=zero.optimizer_buffer_count,
+        params_buffer_count=zero.params_buffer_count,
+        params_buffer_size=zero.params_buffer_size,
+        max_in_cpu=zero.max_in_cpu,
+    )
+
+
+def activation_policy(node: Any, name: str = "none") -> ActivationPolicy:
+    """The policy of a ``conf/activations`` preset: every ``_target_`` in it is read for what it changes."""
+    every, offload, bits, block, min_numel = 0, False, None, 64, 1024
+    for d in _walk(_plain(node) or {}):
+        target = str(d.get("_target_", "")).lower()
+        if "checkpoint" in target:
+            every = int(next((x["every_k"] for x in _walk(d) if "every_k" in x), 1))
+        elif "offload" in target:
+            offload = True
+        elif "compression" in target or "compress" in target:
+            bits = int(d.get("bits", 8))
+            block = int(d.get("block_size", block))
+            min_numel = int(d.get("min_numel", min_numel))
+    return ActivationPolicy(every, offload, bits, block, min_numel, name=name)
+
+
+def optimizer_from_cfg(node: Any, name: str | None = None) -> OptimizerStateModel:
+    """The state model of a ``conf/optimizer`` preset."""
+    node = _plain(node) or {}
+    return optimizer_state_model(str(node.get("_target_", "torch.optim.AdamW")), name)
+
+
+def hardware_from_cfg(node: Any) -> HardwareSpec:
+    """The :class:`HardwareSpec` of a ``conf/hardware`` preset.
+
+    The preset's ``_target_`` is called directly rather than through Hydra's ``instantiate``, which would wrap our
+    :class:`ConfigError` (a negative price, a negative peak) in an ``InstantiationException``.
+
+    Raises:
+        ConfigError: a non-numeric or out-of-range override (``hardware.price_per_device_hour``, ``memory_gb``,
+            ``host_memory_gb``, ``peak_tflops``) or an unknown device name.
+    """
+    node = _plain(node) or {}
+    for key in ("price_per_device_hour", "memory_gb", "host_memory_gb"):
+        value = node.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"hardware.{key}", value, "use a number (or null for the preset's figure).")
+    peaks = node.get("peak_tflops")
+    if peaks is not None and not isinstance(peaks, dict):
+        raise ConfigError("hardware.peak_tflops", peaks, "use a mapping of dtype to TFLOP/s, e.g. {bf16: 800}.")
+    keys: tuple[str, ...] = ("name", "price_per_device_hour", "peak_tflops", "memory_gb", "host_memory_gb")
+    keys += ("pcie_gb_per_s", "memory_gb_per_s", "nvme_gb_per_s", "cpu_adam_params_per_s")  # checked by hardware_spec
+    kwargs = {k: node[k] for k in keys if k in node}
+    target = node.get("_target_")
+    if target and not str(target).endswith("hardware_spec"):
+        from hydra.utils import get_method
+
+        spec = get_method(str(target))(**{k: v for k, v in node.items() if not k.startswith("_")})
+        if isinstance(spec, HardwareSpec):
+            return spec
+    return hardware_spec(**kwargs)
+
+
+def load_preset(conf_dir: Path, group: str, name: str) -> DictConfig:
+    """Read ``conf/<group>/<name>.yaml`` (following its own ``defaults`` within the group).
+
+    Raises:
+        ConfigError: no such preset.
+    """
+    path = conf_dir / group / f"{name}.yaml"
+    if not path.is_file():
+        have = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        raise ConfigError(f"plan.search_space.{group}", name, f"use presets that exist: {', '.join(have)}.")
+    node = OmegaConf.load(path)
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"plan.search_space.{group}", name, "that preset is not a mapping; use a config-group file.")
+    defaults = node.pop("defaults", [])
+    base: Any = OmegaConf.create()
+    for entry in defaults:
+        if isinstance(entry, str) and entry != "_self_":
+            base = OmegaConf.merge(base, load_preset(conf_dir, group, entry))
+    merged = OmegaConf.merge(base, node)
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _positive(key: str, value: Any, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, value, fix)
+    return value
+
+
+def json_accumulation(user_json: dict[str, Any], micro: int, world: int, accumulate: int) -> int:
+    """The gradient accumulation ``train.py`` runs with a user DeepSpeed JSON.
+
+    As ``strategies.builder`` and ``TrainOptDeepSpeedStrategy`` do: a ``train_batch_size`` fixes it to
+    ``train_batch_size / (train_micro_batch_size_per_gpu (default data.batch_size) x world)`` when
+    ``trainer.accumulate_grad_batches`` is 1, and must agree with it otherwise.
+
+    Raises:
+        ConfigError: ``gradient_accumulation_steps`` in the JSON (Lightning refuses it), or a ``train_batch_size``
+            that the micro-batch, world size and accumulation cannot make.
+    """
+    from lightning_trainopt.parallel.deepspeed import TrainOptDeepSpeedStrategy
+
+    if "gradient_accumulation_steps" in user_json:
+        raise ConfigError(
+            "strategy.config.gradient_accumulation_steps",
+            user_json["gradient_accumulation_steps"],
+            "remove it from the JSON: Lightning sets DeepSpeed's accumulation from trainer.accumulate_grad_batches "
+            "(or from train_batch_size) and refuses the key.",
+        )
+    if "train_batch_size" not in user_json:
+        return accumulate
+    json_micro = user_json.get("train_micro_batch_size_per_gpu", micro)
+    _positive("strategy.config.train_micro_batch_size_per_gpu", json_micro, "use a positive integer, or remove it.")
+    return TrainOptDeepSpeedStrategy.accumulation_for_train_batch_size(
+        user_json["train_batch_size"], json_micro, world, accumulate
+    )
+
+
+def validate_like_train(cfg: DictConfig) -> None:
+    """Run ``train.py``'s per-key checks (``app.validate.validate_config``) on a config planned for other hardware.
+
+    The checks about this machine (its CUDA device or core count, fp16 on its accelerator) do not apply to a plan
+    for hardware it does not have, so they see a non-local accelerator; fp16 on planned CPU hardware is refused by
+    :func:`check_compatible` (the pre-flight rule ``train.py`` applies).
+
+    Raises:
+        ConfigError: the value ``train.py`` refuses (``data.batch_size=2.5``, ``optimizer.lr=-1``, ...).
+    """
+    import copy
+
+    from omegaconf import open_dict
+
+    from lightning_trainopt.config.validate import validate_config
+
+    _devices(cfg.trainer.get("devices", 1))  # the planner needs a count: no 'auto' or -1, unlike train.py
+    planned = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(planned, False)
+    with open_dict(planned):
+        planned.trainer.accelerator = "planned"
+    validate_config(planned)
+
+
+def _devices(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, (list, tuple)) and value:
+        return len(value)
+    raise ConfigError(
+        "trainer.devices", value, "the planner needs an explicit device count per node, e.g. trainer.devices=8."
+    )
+
+
+def check_compatible(
+    strategy: Any,
+    trainer_precision: str,
+    optimizer_target: str | None,
+    on_cuda: bool,
+    callbacks: Any = None,
+    precision: Any = None,
+) -> None:
+    """Refuse what ``train.py``'s pre-flight refuses (``app.preflight.RULES``), for the planned hardware.
+
+    The same rules run for the given config and for every search candidate, so ``plan.py`` refuses exactly what
+    ``train.py`` refuses and the search enumerates exactly what it accepts. Rules about this machine
+    (``Rule.machine_specific``: a system library) and the NVMe path checks are left to ``train.py`` on the machine
+    that trains.
+
+    Args:
+        strategy: the ``strategy`` node (``None``: Lightning's default).
+        trainer_precision: Lightning precision string.
+        optimizer_target: the optimizer's ``_target_``.
+        on_cuda: the planned hardware has CUDA devices (``hardware`` is not ``cpu``).
+        callbacks: the ``callbacks`` node (for callback rules).
+        precision: the ``precision`` node (for the FP8 and ``keep_fp32`` rules: ``fp8_te`` on a CPU, FP8 with FSDP1).
+
+    Raises:
+        IncompatibleConfigError: the combination ``train.py`` would refuse, with its reason and fix.
+    """
+    from lightning_trainopt.config.preflight import RULES, PreflightInput
+
+    # Only the callbacks' _target_ strings matter; resolving whole nodes would fail outside a Hydra run on
+    # interpolations such as ${hydra:runtime.output_dir} (the notebook, the ladder's report callback).
+    nodes = callbacks.values() if isinstance(callbacks, (DictConfig, dict)) else ()
+    targets = tuple(str(v.get("_target_", "")) for v in nodes if isinstance(v, (DictConfig, dict)))
+    node = _plain(precision) or {}
+    backend = node.get("backend")
+    p = PreflightInput(
+        strategy=_plain(strategy) or None,
+        precision=trainer_precision,
+        optimizer_target=optimizer_target,
+        accelerator="gpu" if on_cuda else "cpu",
+        callback_targets=targets,
+        precision_preset=node.get("name"),
+        fp8_backend=backend,
+        fp8_emulate=node.get("emulate"),
+        transforms_model=backend is not None or (bool(node.get("keep_fp32")) and trainer_precision != "32-true"),
+    )
+    for rule in RULES:
+        if not rule.machine_specific and rule.applies(p):
+            raise IncompatibleConfigError(rule.keys(p), rule.reason, rule.fix)
+
+
+def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
+    """What the planner plans: our transformer's shape for its presets (planned analytically), else the
+    :class:`ModelProfile` of the LightningModule ``cfg.model`` builds, on the meta device (``model=hf``,
+    ``model=module``): parameters read from it, activations measured on fake tensors, FLOPs counted.
+
+    Raises:
+        ConfigError: a model node the app cannot build, or a module whose training step does not run on fake tensors.
+    """
+    from lightning_trainopt.config.model_factory import meta_module, model_kind, model_name
+
+    if model_kind(cfg.model) == "gpt":
+        node = _plain(cfg.model)
+        node.pop("_target_", None)
+        return GPTConfig(**node)
+    from lightning_trainopt.config.plan_model import module_max_seq_len, module_plan_profile
+    from lightning_trainopt.config.plan_precision import with_planned_loss
+
+    module = with_planned_loss(meta_module(cfg), cfg)
+    return module_plan_profile(module, model_name(cfg, module), module_max_seq_len(module))
+
+
+def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanInputs:
+    """The planner's inputs for a composed ``train.py``/``plan.py`` config.
+
+    Raises:
+        ConfigError: a value the planner cannot plan (e.g. ``trainer.devices=-1``, a module whose training step does
+            not run on fake tensors, ``trainer.accumulate_grad_batches=0``).
+        IncompatibleConfigError: a combination ``train.py``'s pre-flight refuses (:func:`check_compatible`).
+    """
+    model = model_of(cfg)
+    devices = _devices(cfg.trainer.get("devices", 1))
+    nodes = _positive("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), "use a positive whole node count.")
+    micro = _positive("data.batch_size", cfg.data.batch_size, "use a positive micro-batch size per device.")
+    seq_len = _positive("data.seq_len", cfg.data.seq_len, "use a positive sequence length.")
+    spec = parse_strategy(cfg.get("strategy"))
+    layout = layout_of(spec, devices * nodes)
+    optimizer = optimizer_from_cfg(cfg.optimizer)
+    trainer_precision = str(cfg.precision.trainer_precision)
+    on_cuda = hardware_from_cfg(cfg.get("hardware")).name != "cpu"
+    check_compatible(
+        cfg.get("strategy"),
+        trainer_precision,
+        str(cfg.optimizer.get("_target_", "")),
+        on_cuda,
+        cfg.get("callbacks"),
+        cfg.get("precision"),
+    )
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError(
+            "trainer.accumulate_grad_batches", accumulate, "use a positive integer (1 = no accumulation)."
+        )
+    if spec.config is not None:
+        from lightning_trainopt.parallel.deepspeed_json import check_json_precision
+
+        user_json = dict(spec.config)
+        check_json_precision(user_json, trainer_precision)
+        accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
+    from lightning_trainopt.config.plan_precision import attention_kind, loss_plan, precision_plan
+
+    return PlanInputs(
+        model=model,
+        trainer_precision=trainer_precision,
+        layout=layout,
+        optimizer=optimizer,
+        activations=activation_policy(cfg.get("activations"), activations_name),
+        micro_batch=micro,
+        seq_len=seq_len,
+        accumulate=accumulate,
+        devices=devices,
+        num_nodes=nodes,
+        attention=attention_kind(cfg),
+        precision=precision_plan(cfg, cfg.precision, on_cuda),
+        loss=loss_plan(cfg.get("loss")),
+    )
+
+
+def search_space_from_cfg(
+    space_node: Any,
+    conf_dir: Path,
+    world_size: int,
+    cfg: DictConfig | None = None,
+    on_cuda: bool = False,
+    known: dict[str, Any] | None = None,
+) -> SearchSpace:
+    """The :class:`SearchSpace` of ``plan.search_space``: every listed preset must exist, every list be non-empty.
+
+    On one device the ``ddp`` preset stands for :data:`NO_STRATEGY` (Lightning's single device, no ``+strategy``):
+    the DDP wrapper would only add its gradient buckets. With ``cfg``, each precision preset that changes the model
+    (FP8, ``keep_fp32``) gets its :class:`PrecisionPlan` (``known``: those already made, by preset name), and an
+    optional ``plan.search_space.loss`` list lets the search choose the loss (our GPT presets).
+
+    Raises:
+        ConfigError: a missing or empty list, an unknown preset (the key, the name and the presets that exist), a
+            micro-batch that is not a positive whole number, or a loss list for a model other than our GPT presets.
+    """
+    space = _plain(space_node) or {}
+    for group in ("precision", "strategy", "activations", "optimizer", "micro_batch"):
+        value = space.get(group)
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"plan.search_space.{group}", value, "list at least one choice, e.g. [...].")
+    precisions = {str(n): str(load_preset(conf_dir, "precision", str(n)).trainer_precision) for n in space["precision"]}
+    strategies = {}
+    for n in space["strategy"]:
+        layout = strategy_layout(load_preset(conf_dir, "strategy", str(n)), world_size)
+        if layout.kind == "ddp" and world_size == 1:
+            strategies[NO_STRATEGY] = StrategyLayout(name=NO_STRATEGY, kind="single")
+        else:
+            strategies[str(n)] = layout
+    activations = {
+        str(n): activation_policy(load_preset(conf_dir, "activations", str(n)), str(n)) for n in space["activations"]
+    }
+    optimizers = {
+        str(n): optimizer_from_cfg(load_preset(conf_dir, "optimizer", str(n)), str(n)) for n in space["optimizer"]
+    }
+    micro = tuple(
+        _positive("plan.search_space.micro_batch", b, "use positive whole micro-batch sizes, e.g. [1, 2, 4].")
+        for b in space["micro_batch"]
+    )
+    if cfg is None:
+        return SearchSpace(precisions, strategies, activations, optimizers, micro)
+    from lightning_trainopt.config.model_factory import model_kind
+    from lightning_trainopt.config.plan_precision import loss_plan, precision_plan
+
+    known = known or {}
+    plans = {
+        n: known[n] if n in known else precision_plan(cfg, load_preset(conf_dir, "precision", n), on_cuda, n)
+        for n in precisions
+    }
+    losses = {}
+    if space.get("loss") is not None:
+        names = space["loss"]
+        if not isinstance(names, list) or not names:
+            raise ConfigError(
+                "plan.search_space.loss", names, "list at least one loss preset, e.g. [standard, chunked_ce]."
+            )
+        if model_kind(cfg.model) != "gpt":
+            raise ConfigError(
+                "plan.search_space.loss",
+                names,
+                "the search chooses the loss for our GPT presets; for this model plan each loss=... in turn.",
+            )
+        for n in names:
+            plan = loss_plan(load_preset(conf_dir, "loss", str(n)), str(n))
+            losses[str(n)] = plan if plan is not None else LossPlan(str(n))
+    return SearchSpace(precisions, strategies, activations, optimizers, micro, plans, losses)

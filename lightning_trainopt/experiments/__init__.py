@@ -1,0 +1,1 @@
+"""Sweeps with a report: the optimization ladder, the precision parity experiment, sweep summaries."""

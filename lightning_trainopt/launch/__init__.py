@@ -1,0 +1,1 @@
+"""The command line, ``train(cfg)``, multirun and the exit policy. Nothing in the package imports it."""

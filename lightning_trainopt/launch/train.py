@@ -1,0 +1,387 @@
+"""``train(cfg) -> dict``: assemble a Lightning Trainer from the Hydra config tree, fit, and report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback, EarlyStopping, Timer
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from omegaconf import DictConfig
+
+from lightning_trainopt.callbacks import NonFiniteGuard, PrecisionReport, ResumableCheckpoint
+from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
+from lightning_trainopt.config.data_vocab import apply_manifest_vocab
+from lightning_trainopt.config.model_factory import (
+    build_lightning_module,
+    count_params,
+    meta_module,
+    model_kind,
+    model_name,
+    model_vocab_size,
+)
+from lightning_trainopt.config.validate import validate_config
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
+from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
+from lightning_trainopt.launch.run_clock import RunClock
+from lightning_trainopt.models import LitGPT
+from lightning_trainopt.parallel.report import StrategyReport
+from lightning_trainopt.precision import trainer_precision_kwargs
+
+__all__ = ["early_stop", "output_dir", "run_status", "train"]
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+# The shell's code for a process ended by SIGINT (128 + 2): an interrupted run is not a success.
+INTERRUPTED_EXIT_CODE = 130
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """The run's output directory: Hydra's, else ``cfg.output_dir``, else the working directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("output_dir") or os.getcwd())
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's callbacks (Lightning sets ``trainer.callbacks`` in a connector; the class does not declare it)."""
+    return trainer.callbacks  # type: ignore[attr-defined]
+
+
+def _instantiate_named(group: DictConfig | None) -> list[Any]:
+    """Instantiate every ``name: {_target_: ...}`` entry of a group such as ``callbacks`` or ``logger``."""
+    if not group:
+        return []
+    return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """A checkpoint path as given, or ``last``: the newest checkpoint under ``<run_dir>/checkpoints``."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        ckpt_dir = run_dir / "checkpoints"
+        found = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if ckpt_dir.is_dir() else []
+        if not found:
+            raise ConfigError(
+                "ckpt_path",
+                "last",
+                f"no checkpoint in {ckpt_dir}; point hydra.run.dir at the run to resume, or give a checkpoint path.",
+            )
+        return str(found[-1])
+    if not Path(ckpt_path).exists():
+        raise ConfigError("ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path or 'last'.")
+    return ckpt_path
+
+
+def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int | None, n_params: int) -> Any:
+    if cfg.get("strategy") is None:
+        return "auto"
+    from lightning_trainopt.parallel import build_strategy
+
+    return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size, n_params=n_params)
+
+
+def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
+    if cfg.get("strategy") is None:
+        return {"strategy": type(trainer.strategy).__name__.removesuffix("Strategy").lower(), "zero_stage": None}
+    from lightning_trainopt.parallel import strategy_info
+
+    return strategy_info(trainer)
+
+
+def _final_validation(
+    trainer: pl.Trainer, module: pl.LightningModule, dm: pl.LightningDataModule, clock: RunClock
+) -> None:
+    """Validate at the final step unless the fit loop just did, so ``val_loss`` describes the final weights."""
+    if clock.last_val_step != trainer.global_step and trainer.limit_val_batches:
+        trainer.validate(module, datamodule=dm, verbose=False)
+
+
+def early_stop(trainer: pl.Trainer) -> dict[str, Any]:
+    """``{"stopped_by", "stopped_at_step"}``: who ended the fit early through ``trainer.should_stop``, and when.
+
+    ``NonFiniteGuard`` gives the step it stopped at, Lightning's ``EarlyStopping`` the step the fit ended at; a
+    stop requested by another callback has ``stopped_by`` ``None``. Reaching ``trainer.max_time`` (Lightning's
+    ``Timer``) is the end the config asked for, not an early stop. Both values are ``None`` when the fit ran to
+    its end.
+
+    Args:
+        trainer: the Trainer right after ``fit`` (the next ``fit`` resets ``should_stop``).
+    """
+    stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
+    if not trainer.should_stop:
+        return stopped
+    for cb in _callbacks(trainer):
+        if isinstance(cb, NonFiniteGuard) and cb.stopped_at is not None:
+            return {"stopped_by": type(cb).__name__, "stopped_at_step": cb.stopped_at}
+        if isinstance(cb, EarlyStopping) and cb.stopped_epoch:
+            return {"stopped_by": type(cb).__name__, "stopped_at_step": trainer.global_step}
+    for cb in _callbacks(trainer):
+        remaining = cb.time_remaining() if isinstance(cb, Timer) else None
+        if remaining is not None and remaining <= 0:
+            return stopped
+    return {"stopped_by": None, "stopped_at_step": trainer.global_step}
+
+
+def run_status(oom: bool, stopped_early: bool, train_loss: float | None) -> str:
+    """metrics.json's ``status``: what became of the fit, the first of these that applies.
+
+    ``oom``: an out-of-memory error was caught (``continue_on_oom=true``); ``stopped``: a callback ended the fit
+    before its ``max_steps``/``max_epochs`` (:func:`early_stop`; ``NonFiniteGuard`` on non-finite steps);
+    ``diverged``: the final training loss is NaN or infinite; ``ok`` otherwise. (A sweep job refused by a check
+    before training is written as ``refused`` by the CLI.)
+
+    Args:
+        oom: the fit ran out of memory.
+        stopped_early: a callback set ``trainer.should_stop``.
+        train_loss: the final training loss, ``None`` when none was logged (e.g. a resume at ``max_steps``).
+    """
+    if oom:
+        return "oom"
+    if stopped_early:
+        return "stopped"
+    if train_loss is not None and not math.isfinite(train_loss):
+        return "diverged"
+    return "ok"
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit the configured model and return the run's metrics (also written to ``metrics.json`` on rank 0).
+
+    Every config value is checked before anything is built or spawned.
+
+    Args:
+        cfg: the composed config of ``conf/train.yaml``.
+
+    Raises:
+        ConfigError: a config value is invalid.
+        IncompatibleConfigError: a combination of options is known to break.
+    """
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    quiet_console(on_cpu=accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
+    apply_manifest_vocab(cfg)
+    validate_config(cfg)
+    from lightning_trainopt.config.preflight import check_vocab, preflight
+
+    for advice in preflight(cfg):
+        log.warning(advice)
+
+    run_dir = output_dir(cfg)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
+    if ckpt_path is not None:
+        from lightning_trainopt.checkpoint.resume_check import check_resume
+
+        check_resume(cfg, ckpt_path)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    precision = instantiate(cfg.precision)
+    datamodule = instantiate(cfg.data)
+    if hasattr(datamodule, "check_source"):
+        datamodule.check_source()
+    module = build_lightning_module(cfg)
+    _document_attention(module, datamodule)
+    check_vocab(model_vocab_size(module), data_vocab_size(datamodule), _vocab_key(cfg))
+    # The module's own count once built (a user's module may build its model in __init__), else its meta copy's.
+    n_params = count_params(module) or count_params(meta_module(cfg))
+    name = model_name(cfg, module)
+    clock = RunClock()
+    # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
+    # The activation techniques come before the other callbacks: hooks run in list order, so checkpointing is
+    # applied (on_fit_start) before a MicroBatchFinder or a MemoryBreakdown measures activation memory.
+    callbacks = [
+        clock,
+        StrategyReport(),
+        # What an FP8 or keep_fp32 preset did to the model (metrics.json's precision_layers); nothing otherwise.
+        PrecisionReport(),
+        *_instantiate_named(cfg.get("activations")),
+        *_instantiate_named(cfg.get("callbacks")),
+    ]
+    loggers = _instantiate_named(cfg.get("logger"))
+    strategy = _build_strategy(cfg, precision, _micro_batch(cfg, datamodule), n_params)
+
+    env = snapshot_env()
+    prepare_child_command(run_dir)
+    # Instantiated, not just converted: `debug=profiler` puts a profiler object under trainer.profiler.
+    trainer_kwargs = instantiate(cfg.trainer, _convert_="all")
+    if trainer_kwargs.get("enable_progress_bar", True):
+        callbacks.append(StepsProgressBar())
+    if "enable_model_summary" not in trainer_kwargs:
+        # Lightning's table would show a FLOPs column of zeros (it counts only with an example_input_array).
+        trainer_kwargs["enable_model_summary"] = False
+        rank_zero_info(model_line(name, n_params))
+    trainer = pl.Trainer(
+        **trainer_kwargs,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=loggers or False,
+        default_root_dir=str(run_dir),
+        **trainer_precision_kwargs(precision, strategy, accelerator),
+    )
+    oom = False
+    interrupted: SystemExit | None = None
+    train_loss = None
+    stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
+    info = _strategy_info(trainer, cfg)
+    t0 = time.perf_counter()
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        # Read before the final validation pass: it resets the callback metrics, and under DeepSpeed it
+        # re-initialises the engine for inference (without ZeRO below stage 3).
+        train_loss = trainer.callback_metrics.get("train_loss")
+        stopped = early_stop(trainer)
+        info = _strategy_info(trainer, cfg)
+        _final_validation(trainer, module, datamodule, clock)
+    except torch.OutOfMemoryError:
+        if not cfg.get("continue_on_oom", False):
+            raise
+        oom = True
+        log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
+    except SystemExit as err:
+        # Ctrl-C or SIGTERM: Lightning stops the fit (SIGTERMException, or sys.exit after a second Ctrl-C) and
+        # ResumableCheckpoint saves where it stopped; the run's figures so far are still written, then it exits.
+        if trainer.state.status != TrainerStatus.INTERRUPTED:
+            raise
+        interrupted = err
+        if train_loss is None:  # else the fit had ended and the final validation was interrupted
+            train_loss = trainer.callback_metrics.get("train_loss")
+        info = _strategy_info(trainer, cfg)
+    wall = time.perf_counter() - t0
+
+    loss = float(train_loss) if train_loss is not None else None
+    status = "interrupted" if interrupted is not None else run_status(oom, stopped["stopped_at_step"] is not None, loss)
+    outcome: dict[str, Any] = {"status": status, **stopped}
+    if interrupted is not None:
+        saved = [cb.interrupt_path for cb in _callbacks(trainer) if isinstance(cb, ResumableCheckpoint)]
+        outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
+    if status == "diverged":
+        log.warning("the final train loss is %s: recorded as status=diverged", loss)
+    metrics = _collect_metrics(cfg, trainer, module, name, clock, precision, outcome, wall, loss, info)
+    if trainer.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / METRICS_FILE).write_text(metrics_json(metrics))
+        print_summary(metrics, run_dir / METRICS_FILE)
+    teardown_distributed()
+    restore_env(env)
+    if interrupted is not None:
+        # Rank 0 reports the interrupt. The ranks Lightning started exit 0: its watcher on rank 0 kills rank 0 as
+        # soon as a child exits non-zero, which would cut metrics.json short.
+        code = INTERRUPTED_EXIT_CODE if os.environ.get("LOCAL_RANK", "0") == "0" else 0
+        raise SystemExit(code) from interrupted
+    return metrics
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def metrics_json(metrics: dict[str, Any]) -> str:
+    """``metrics.json`` text: strict JSON, so NaN/Infinity (a diverged loss, a non-finite norm) become ``null``.
+
+    ``json.dumps`` would write the bare tokens ``NaN``/``Infinity``, which strict parsers (``jq``, JavaScript,
+    most dashboards) reject.
+    """
+    return json.dumps(_finite(metrics), indent=2, default=str, allow_nan=False)
+
+
+def _document_attention(module: pl.LightningModule, datamodule: Any) -> None:
+    """``data.document_attention=true``: our GPT masks attention at the data's EOS ids (refused for other models)."""
+    if not getattr(datamodule, "document_attention", False):
+        return
+    if not isinstance(module, LitGPT):
+        raise ConfigError(
+            "data.document_attention",
+            True,
+            f"masking attention at document boundaries is built into our model presets, not {type(module).__name__}; "
+            "use a gpt_* / llama_* model preset or data.document_attention=false.",
+        )
+    module.document_eos = int(datamodule.eos_id)
+    rank_zero_info(f"data.document_attention: attention stays inside documents (EOS id {module.document_eos}).")
+
+
+def _micro_batch(cfg: DictConfig, datamodule: Any) -> int | None:
+    """The micro-batch per device: the datamodule's ``batch_size`` (a MicroBatchFinder sets it), else the config's."""
+    value = getattr(datamodule, "batch_size", None)
+    if value is None:
+        value = cfg.data.get("batch_size")
+    return value if isinstance(value, int) else None
+
+
+def data_vocab_size(datamodule: Any) -> int | None:
+    """Token ids the data holds: byte-level text 256, else the datamodule's ``vocab_size`` when it has one."""
+    corpus = getattr(datamodule, "corpus", None)
+    if isinstance(corpus, str) and corpus != "synthetic":
+        return 256
+    value = getattr(datamodule, "vocab_size", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _vocab_key(cfg: DictConfig) -> str:
+    kind = model_kind(cfg.model)
+    return {"gpt": "model.vocab_size", "hf": "model.overrides.vocab_size"}.get(kind, "model.vocab_size")
+
+
+def _collect_metrics(
+    cfg: DictConfig,
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    name: str,
+    clock: RunClock,
+    precision: Any,
+    outcome: dict[str, Any],
+    wall: float,
+    train_loss: float | None,
+    strategy_info: dict[str, Any],
+) -> dict[str, Any]:
+    cb = trainer.callback_metrics
+    world = trainer.world_size
+    tokens_this_run = clock.local_tokens * world
+    # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
+    micro = _micro_batch(cfg, getattr(trainer, "datamodule", None))
+    seq_len = cfg.data.get("seq_len") or getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+    per_step = micro * trainer.accumulate_grad_batches * world if micro is not None else None
+    metrics: dict[str, Any] = {
+        **outcome,
+        "model": name,
+        "n_params": count_params(module),
+        **strategy_info,
+        "precision": precision.name,
+        "trainer_precision": precision.trainer_precision,
+        "world_size": world,
+        "devices": trainer.num_devices,
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
+        "micro_batch_size": micro,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "global_batch_size": per_step,
+        "seq_len": seq_len,
+        "global_step": trainer.global_step,
+        "train_loss": train_loss,
+        "val_loss": float(cb["val_loss"]) if "val_loss" in cb else None,
+        "val_ppl": float(cb["val_ppl"]) if "val_ppl" in cb else None,
+        "tokens_seen": trainer.global_step * per_step * seq_len if per_step and seq_len else None,
+        "tokens_this_run": tokens_this_run,
+        "tokens_per_sec": tokens_this_run / clock.train_seconds if clock.train_seconds > 0 else None,
+        "train_seconds": clock.train_seconds,
+        "wall_seconds": wall,
+    }
+    metrics.update(callback_summaries(_callbacks(trainer)))
+    return metrics

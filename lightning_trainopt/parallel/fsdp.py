@@ -1,0 +1,216 @@
+"""FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy, sharded by a policy over module classes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
+from lightning_trainopt.precision.transform_plugins import ModelTransforms
+from lightning_trainopt.transforms.blocks import block_classes, own_class
+
+__all__ = ["TrainOptFSDPStrategy", "apply_fully_shard", "block_classes"]
+
+
+@contextlib.contextmanager
+def _without_configure_model_check(module: pl.LightningModule) -> Iterator[None]:
+    """Lightning's ``ModelParallelStrategy.setup`` refuses a LightningModule without ``configure_model``, where it
+    expects the user to apply the parallelism; this strategy applies it itself, so any module will do. A no-op
+    ``configure_model`` on the instance satisfies that check for the duration of ``setup`` (``configure_model`` has
+    run by then) and is removed after."""
+    if is_overridden("configure_model", module):
+        yield
+        return
+    module.__dict__["configure_model"] = lambda: None
+    try:
+        yield
+    finally:
+        module.__dict__.pop("configure_model", None)
+
+
+def apply_fully_shard(
+    root: torch.nn.Module, shard_modules: list[str], mesh: Any, cpu_offload: bool, reshard_after_forward: bool
+) -> int:
+    """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
+
+    Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
+    Idempotent: a module that is already an FSDP2 unit is left as it is, because Lightning runs the strategy's
+    ``setup`` again for every ``validate``/``test`` after ``fit`` on the same (sharded) model, and ``fully_shard``
+    refuses a second application to one module.
+
+    Returns:
+        the number of modules sharded by this call (0 when the model was already sharded).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
+    }
+    count = 0
+    for module in root.modules():
+        if module is not root and own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
+            fully_shard(module, **kwargs)
+            count += 1
+    for child in _top_level_units(root):
+        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+            count += 1
+    return count
+
+
+def _top_level_units(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The children of ``root``, with a container (``nn.ModuleList``/``nn.ModuleDict``, which has no ``forward`` and
+    which ``fully_shard`` refuses) replaced by its own children, recursively: a user's module that keeps its blocks in
+    an ``nn.ModuleList`` directly, not inside a model module."""
+    for child in root.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            yield from _top_level_units(child)
+        else:
+            yield child
+
+
+class TrainOptFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 full sharding over all processes (no tensor parallelism), usable with any LightningModule.
+
+    After ``configure_model`` builds the model (a LightningModule without one works too: its model is built in
+    ``__init__``), every module whose class name is in ``shard_modules`` becomes its own FSDP2 unit, then each
+    parameter-holding child of the LightningModule. Runs on CPU (gloo) and GPU.
+
+    Args:
+        shard_modules: class names to shard as units (the transformer block). Default (``None``): the model's
+            repeated block, found by :func:`block_classes` (a Hugging Face model's ``_no_split_modules``, else the
+            class of its largest ``nn.ModuleList`` of same-class modules); a model with neither is sharded by its
+            top-level children only, and one line says so.
+        cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
+        preset: name reported in metrics.
+        **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments.
+
+    Example::
+
+        Trainer(accelerator="cpu", devices=2, strategy=TrainOptFSDPStrategy(shard_modules=["Block"]))
+    """
+
+    strategy_name = "trainopt_fsdp"
+
+    def __init__(
+        self,
+        shard_modules: list[str] | tuple[str, ...] | None = None,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+        preset: str = "fsdp",
+        **kwargs: Any,
+    ) -> None:
+        if shard_modules is not None and (
+            isinstance(shard_modules, str) or not all(isinstance(s, str) and s for s in shard_modules)
+        ):
+            raise ConfigError(
+                "strategy.shard_modules",
+                shard_modules,
+                "give a list of class names, e.g. [Block], or null for the model's repeated block.",
+            )
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(**kwargs)
+        self.shard_modules = None if shard_modules is None else list(shard_modules)
+        self.cpu_offload = cpu_offload
+        self.reshard_after_forward = reshard_after_forward
+        self.preset = preset
+        target = f"{type(self).__module__}.{type(self).__qualname__}"
+        self.spec: StrategySpec = fsdp_spec(preset, target, cpu_offload, reshard_after_forward)
+
+    def offload_devices(self) -> dict[str, str]:
+        """``{"optimizer": ..., "param": ...}``: ``cpu`` for both with ``cpu_offload``."""
+        return self.spec.offload
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            # Full sharding: every process is a data-parallel rank.
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def _units(self, model: torch.nn.Module) -> list[str]:
+        """The class names to shard: ``shard_modules``, each present in the model, or the model's repeated block."""
+        if self.shard_modules is None:
+            return block_classes(model)
+        present = {own_class(m).__name__ for m in model.modules()}
+        missing = [name for name in self.shard_modules if name not in present]
+        if missing:
+            found = block_classes(model)
+            hint = f"its repeated block is {found}, which " if found else ""
+            raise ConfigError(
+                "strategy.shard_modules",
+                self.shard_modules,
+                f"{missing} matched no module of {type(model).__name__}; use class names of its modules ({hint}"
+                "shard_modules=null picks by itself).",
+            )
+        return self.shard_modules
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        from torch.distributed.fsdp import FSDPModule
+
+        already = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        if not already and isinstance(self.precision_plugin, ModelTransforms):
+            # FP8 layers must exist before fully_shard: torchao's FP8 weight subclass is what FSDP2 all-gathers in
+            # FP8 (torchtitan's order). Lightning's own call in super().setup() then finds the model converted.
+            self.precision_plugin.transform(self.model)
+        units = self._units(self.model)
+        n = apply_fully_shard(
+            self.model,
+            units,
+            self.device_mesh["data_parallel"],
+            self.cpu_offload,
+            self.reshard_after_forward,
+        )
+        if n == 0 and not already:
+            raise ConfigError(
+                "strategy.shard_modules",
+                self.shard_modules,
+                f"{type(self.model).__name__} has no parameter to shard; FSDP needs a model with parameters.",
+            )
+        if n:
+            by = f"{units} blocks" if units else "no repeated block found: top-level children only"
+            rank_zero_info(
+                f"FSDP2: {n} modules sharded over {self.world_size} processes ({by}; cpu_offload={self.cpu_offload})."
+            )
+        module = self.lightning_module
+        with contextlib.nullcontext() if module is None else _without_configure_model_check(module):
+            super().setup(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        if self.cpu_offload:
+            return  # CPUOffloadPolicy keeps sharded parameters on the CPU and moves them per unit.
+        super().model_to_device()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write the (sharded) checkpoint to a staging path, then swap it in on rank 0."""
+        filepath = self.broadcast(str(filepath))
+        staging = self.broadcast(staging_path(filepath))
+        try:
+            super().save_checkpoint(checkpoint, staging, storage_options)
+        except BaseException:
+            self.barrier("trainopt_fsdp_save_failed")
+            if self.is_global_zero:
+                discard_staged(staging)
+            raise
+        self.barrier("trainopt_fsdp_save_done")
+        if self.is_global_zero:
+            commit_staged(staging, filepath)
+        self.barrier("trainopt_fsdp_save_committed")

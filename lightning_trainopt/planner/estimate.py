@@ -1,0 +1,309 @@
+"""One configuration in, a full per-device estimate out: model states + activations + speed + dollars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.model_shape import GPTConfig
+from lightning_trainopt.planner.activations import ActivationPolicy
+from lightning_trainopt.planner.model_profile import ModelProfile, gpt_param_groups, gpt_profile
+from lightning_trainopt.planner.model_states import StrategyLayout, estimate_model_states
+from lightning_trainopt.planner.offload_time import Bandwidths, estimate_step_overhead
+from lightning_trainopt.planner.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
+from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, fp8_transient_term, te_saved_delta
+from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.planner.terms import MemoryEstimate
+
+__all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the planner needs, as plain values (the app builds it from the Hydra config).
+
+    Args:
+        model: the model: our transformer's shape (planned analytically) or the :class:`ModelProfile` of any
+            module (``model_profile.module_profile``).
+        trainer_precision: Lightning precision string.
+        layout: the strategy.
+        optimizer: how the optimizer stores state.
+        activations: checkpointing / offload / compression policy.
+        micro_batch: sequences per device per forward (``data.batch_size``).
+        seq_len: tokens per sequence (``data.seq_len``).
+        accumulate: gradient accumulation steps.
+        devices: devices per node.
+        num_nodes: nodes.
+        attention: ``sdpa`` or ``math``.
+        adam_path: how torch Adam/AdamW runs its step (``fused``, ``foreach``, ``single_tensor``; see
+            ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
+        precision: the preset's model changes (FP8 layers, fp32-kept modules); ``None``: none.
+        loss: the loss after the output head; ``None``: logits and ``F.cross_entropy``.
+    """
+
+    model: GPTConfig | ModelProfile
+    trainer_precision: str = "bf16-mixed"
+    layout: StrategyLayout = field(default_factory=StrategyLayout)
+    optimizer: OptimizerStateModel = field(default_factory=lambda: OPTIMIZER_STATES["adamw"])
+    activations: ActivationPolicy = field(default_factory=ActivationPolicy)
+    micro_batch: int = 1
+    seq_len: int = 2048
+    accumulate: int = 1
+    devices: int = 1
+    num_nodes: int = 1
+    attention: str = "sdpa"
+    adam_path: str = "fused"
+    precision: PrecisionPlan | None = None
+    loss: LossPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ConfigError("trainer.devices", self.devices, "plan for a positive device count (e.g. 8).")
+        if self.num_nodes < 1:
+            raise ConfigError("trainer.num_nodes", self.num_nodes, "use a positive node count.")
+        if self.accumulate < 1:
+            raise ConfigError("trainer.accumulate_grad_batches", self.accumulate, "use a positive integer.")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def profile(self) -> ModelProfile:
+        """The model as the planner reads it (our transformer's analytic profile for a :class:`GPTConfig`)."""
+        if isinstance(self.model, ModelProfile):
+            return self.model
+        loss = self.loss if self.loss is not None and self.loss.kind != "standard" else None
+        return gpt_profile(self.model, loss)
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.trainer_precision in ("32-true", "64-true") else 2
+
+    @property
+    def autocast(self) -> bool:
+        # Lightning hands DeepSpeed a half-precision module instead of autocasting.
+        return self.trainer_precision.endswith("-mixed") and self.layout.kind != "deepspeed"
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """The planner's answer for one configuration.
+
+    Args:
+        inputs: what was planned.
+        memory: itemised per-device bytes.
+        speed: step time, tokens/s and dollars.
+        device_memory_bytes: memory of one device (``None`` when unknown).
+        train_flops_per_token: FLOPs the hardware executes per token (recomputation included).
+        headroom_bytes: device memory kept free for what the planner does not count (CUDA context, NCCL buffers,
+            allocator fragmentation); ``fits`` needs the peak to fit in the rest.
+        host_memory_bytes: host RAM of one node (``None`` when unknown): the offloaded bytes of the node's ranks
+            must fit in it, less the same headroom fraction (each rank's process, its CUDA context and data loader
+            workers, which the planner does not count).
+        headroom_fraction: the share of device and host memory kept free.
+        device_is_host: the "device" is the CPU (planning for ``hardware=cpu``/``auto`` on a CPU machine): its peak is
+            host RAM too, and counts in ``host_bytes_per_node``.
+    """
+
+    inputs: PlanInputs
+    memory: MemoryEstimate
+    speed: SpeedEstimate
+    device_memory_bytes: int | None
+    train_flops_per_token: float
+    headroom_bytes: int = 0
+    host_memory_bytes: int | None = None
+    headroom_fraction: float = 0.0
+    device_is_host: bool = False
+
+    @property
+    def total_device_bytes(self) -> int:
+        """Sum of every category (as if all coexisted): the conservative figure."""
+        return self.memory.bytes()
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """Predicted peak: what lives all step + the larger of the backward phase and the optimizer-step phase."""
+        return self.memory.peak()
+
+    @property
+    def device_fits(self) -> bool | None:
+        """Whether the predicted peak fits the device's memory less the headroom (``None`` when unknown)."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.peak_device_bytes <= self.device_memory_bytes - self.headroom_bytes
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Host RAM the ranks of one node take: per-rank CPU bytes, or the model built in host memory if larger (plus
+        the device peak when the device is the CPU) x devices per node."""
+        device = self.peak_device_bytes if self.device_is_host else 0
+        return (self.memory.held("cpu") + device) * self.inputs.devices
+
+    @property
+    def host_usable_bytes(self) -> int | None:
+        """Host RAM of one node less the headroom fraction (``None`` when unknown)."""
+        if self.host_memory_bytes is None:
+            return None
+        return self.host_memory_bytes - int(self.headroom_fraction * self.host_memory_bytes)
+
+    @property
+    def host_fits(self) -> bool | None:
+        """Whether the node's offloaded bytes fit its usable host RAM (``None``: RAM unknown and something is
+        offloaded; ``True`` when nothing is)."""
+        if not self.host_bytes_per_node:
+            return True
+        usable = self.host_usable_bytes
+        return None if usable is None else self.host_bytes_per_node <= usable
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the configuration fits: the device peak fits the device, and the offloaded bytes the host.
+
+        ``False`` when either is known not to fit; ``None`` when the device memory is unknown.
+        """
+        if self.host_fits is False:
+            return False
+        return self.device_fits
+
+    @property
+    def margin_bytes(self) -> int | None:
+        """Usable memory (device memory less headroom) left over at the predicted peak; negative: does not fit."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.device_memory_bytes - self.headroom_bytes - self.peak_device_bytes
+
+
+def estimate_plan(
+    inputs: PlanInputs,
+    device_memory_bytes: int | None,
+    peak_flops: float | None,
+    price_per_device_hour: float | None,
+    hfu: float | None = None,
+    target_tokens: float = 1e9,
+    measured_tokens_per_sec_per_device: float | None = None,
+    headroom_fraction: float = 0.0,
+    host_memory_bytes: int | None = None,
+    device_is_host: bool = False,
+    bandwidths: Bandwidths | None = None,
+    mfu: float | None = None,
+    fp8_peak_flops: float | None = None,
+) -> PlanEstimate:
+    """Estimate memory, speed and cost of one configuration.
+
+    Args:
+        inputs: the configuration.
+        device_memory_bytes: memory of one device.
+        peak_flops: dense peak FLOP/s of one device in the compute dtype.
+        price_per_device_hour: dollars per device-hour.
+        hfu: assumed fraction of the peak sustained on the FLOPs executed (hardware FLOPs utilisation); default 0.4.
+        target_tokens: tokens to train, for time and dollars to target.
+        measured_tokens_per_sec_per_device: a measured figure that replaces the FLOPs model.
+        headroom_fraction: share of the device memory kept free (CUDA context, NCCL, fragmentation), in [0, 1);
+            the same share of the host RAM is kept free for the ranks' processes.
+        host_memory_bytes: host RAM of one node, for the verdict on offloaded bytes (``None``: unknown).
+        device_is_host: the planned device is the CPU: its peak counts against the host RAM too.
+        bandwidths: PCIe, device memory, NVMe and CPU Adam rates that charge offload and int8 compression
+            (``offload_time``); ``None`` or a missing rate leaves that item uncharged and named in
+            ``speed.overhead.not_charged``.
+        mfu: the former name of ``hfu`` (the fraction always applied to the executed FLOPs).
+        fp8_peak_flops: dense FP8 peak FLOP/s of one device, for the FLOPs of the layers ``inputs.precision``
+            converts (``None``: no FP8 peak, e.g. a CPU that emulates FP8: they run at ``peak_flops``).
+
+    Raises:
+        ConfigError: ``headroom_fraction`` outside [0, 1); both ``hfu`` and ``mfu`` given.
+    """
+    if not 0 <= headroom_fraction < 1:
+        raise ConfigError("plan.headroom_fraction", headroom_fraction, "use a fraction in [0, 1), e.g. 0.05.")
+    if mfu is not None and hfu is not None:
+        raise ConfigError("mfu", mfu, "give hfu only (mfu is its former name).")
+    hfu = mfu if mfu is not None else (0.4 if hfu is None else hfu)
+    m = inputs.profile
+    states = estimate_model_states(
+        m.param_groups,
+        inputs.trainer_precision,
+        inputs.layout,
+        inputs.optimizer,
+        inputs.world_size,
+        accumulate=inputs.accumulate,
+        adam_path=inputs.adam_path,
+        module_trace=m.module_trace,
+        fsdp_units=m.fsdp_units,
+    )
+    model_flops, recompute_flops = m.flops(inputs.micro_batch, inputs.seq_len)
+    every = inputs.activations.checkpoint_every
+    n_ckpt = 0 if every == 0 or not m.n_blocks else -(-m.n_blocks // every)
+    fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
+    acts = _activations(inputs, m, fraction)
+    hw_flops = model_flops + int(round(fraction * recompute_flops))
+    tokens = inputs.micro_batch * inputs.seq_len
+    per_token = hw_flops / tokens
+    p = inputs.precision
+    # The converted layers' share of the model FLOPs; the recomputed forward is taken at the same share.
+    fp8_share = min(1.0, p.fp8_flops_per_token * tokens / model_flops) if p is not None and p.fp8 else 0.0
+    memory = states + acts
+    overhead = estimate_step_overhead(
+        memory,
+        n_params=m.n_params,
+        world_size=inputs.world_size,
+        devices_per_node=inputs.devices,
+        accumulate=inputs.accumulate,
+        layout=inputs.layout,
+        activations=inputs.activations,
+        compute_bytes=inputs.compute_bytes,
+        bandwidths=bandwidths or Bandwidths(),
+        device_is_host=device_is_host,
+    )
+    speed = estimate_speed(
+        per_token,
+        inputs.micro_batch * inputs.seq_len * inputs.accumulate,
+        inputs.world_size,
+        peak_flops,
+        hfu,
+        price_per_device_hour,
+        target_tokens,
+        measured_tokens_per_sec_per_device,
+        overhead,
+        fp8_share,
+        fp8_peak_flops,
+        emulated=p is not None and p.emulated,
+    )
+    headroom = int(headroom_fraction * device_memory_bytes) if device_memory_bytes else 0
+    return PlanEstimate(
+        inputs,
+        memory,
+        speed,
+        device_memory_bytes,
+        per_token,
+        headroom,
+        host_memory_bytes,
+        headroom_fraction,
+        device_is_host,
+    )
+
+
+def _activations(inputs: PlanInputs, m: ModelProfile, checkpointed: float) -> MemoryEstimate:
+    """The activations of one micro-batch: the profile's, or measured under the precision preset's conversion (FP8
+    with torchao, fp32-kept modules), or derived for Transformer Engine; plus the FP8 casts of one layer."""
+    args = (
+        inputs.micro_batch,
+        inputs.seq_len,
+        inputs.compute_bytes,
+        inputs.autocast,
+        inputs.activations,
+        inputs.attention,
+    )
+    p = inputs.precision
+    if p is not None and p.measure is not None:
+        measured = p.measure(inputs.loss.kind if inputs.loss is not None else "standard")(*args)
+        assert isinstance(measured, MemoryEstimate)
+        acts = measured
+    else:
+        acts = m.activations(*args)
+    tokens = inputs.micro_batch * inputs.seq_len
+    if p is not None and p.fp8 and p.measure is None and p.backend == "transformer_engine":
+        # Only the layers of blocks that keep their activations save anything (checkpointed blocks keep their input).
+        delta = te_saved_delta(p, tokens, inputs.compute_bytes)
+        acts = acts + MemoryEstimate.of([replace(delta, nbytes=int(round(delta.nbytes * (1 - checkpointed))))])
+    transient = fp8_transient_term(p, tokens) if p is not None and p.fp8 else None
+    return acts + MemoryEstimate.of([transient]) if transient is not None else acts

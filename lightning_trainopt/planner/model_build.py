@@ -1,0 +1,98 @@
+"""What a rank holds while the model is built and handed to its strategy, before the first step (``build`` terms).
+
+Read for the demo model as ``train.py`` builds it (lightning 2.6, deepspeed 0.19, torch 2.13): Lightning calls
+``LitGPT.configure_model`` inside the strategy's ``tensor_init_context`` and ``model_sharded_context``.
+
+- DDP / one device: the tensors are created on the device, in the half dtype for ``*-true`` (Lightning's precision
+  context), else fp32: the weights the step keeps, nothing more.
+- DeepSpeed ZeRO-1/2: ``configure_model`` builds in the engine's dtype (bf16/fp16 for ``-mixed`` too, since the
+  engine casts to it), so the whole model in that dtype on every rank. DeepSpeed then flattens each param group on the
+  device only when ``available_memory()`` has room for a second copy, else through the CPU: it never adds a device
+  peak. (Built in fp32 it would hold 4 B/param: LLaMA-13B 48.5 GiB on a 40 GB card planned at 26.7 GiB.)
+- DeepSpeed ZeRO-3: ``deepspeed.zero.Init`` partitions each parameter as its module is built; then
+  ``parallel/deepspeed.py`` re-runs the model's init (``_rerun_custom_init``) one module at a time inside
+  ``GatheredParameters``: at most one block or the embedding gathered at once, beside the partitions.
+- FSDP2: Lightning's ``ModelParallelStrategy`` gives ``configure_model`` no device, so the whole model is built in
+  host memory on every rank (fp32 unless ``*-true``); ``fully_shard`` then moves one unit at a time to the device and
+  shards it: the device holds the shards so far plus one whole unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from lightning_trainopt.planner.strategy_layout import StrategyLayout
+from lightning_trainopt.planner.terms import Term
+from lightning_trainopt.planner.terms import numel_text as _gb
+
+__all__ = ["build_terms"]
+
+
+def build_terms(
+    numels: Sequence[int],
+    weight_bytes: int,
+    layout: StrategyLayout,
+    world_size: int,
+    largest_unit: int = 0,
+    largest_gather: int | None = None,
+) -> list[Term]:
+    """The ``build`` terms of one rank.
+
+    Args:
+        numels: element counts of the model's parameters (each shared parameter once).
+        weight_bytes: bytes per element of the weights as built (``model_states.param_dtype_bytes``).
+        layout: the strategy.
+        world_size: data-parallel ranks.
+        largest_unit: elements of FSDP2's largest unit (FSDP only).
+        largest_gather: elements ZeRO-3 gathers at once to re-run the model's init: its largest block or single
+            parameter (the embedding); default: the largest parameter.
+    """
+    n, b, w = sum(numels), weight_bytes, world_size
+    whole = f"{b} B x {_gb(n)}"
+    if layout.kind in ("single", "ddp"):
+        return [Term("params", "device", f"{8 * b}-bit weights as built", b * n, whole, phase="build")]
+    if layout.kind == "deepspeed" and layout.zero_stage in (1, 2):
+        return [
+            Term(
+                "params",
+                "device",
+                f"{8 * b}-bit weights as built, before DeepSpeed flattens them",
+                b * n,
+                whole,
+                "build",
+            )
+        ]
+    shards = sum(math.ceil(k / w) for k in numels)
+    if layout.kind == "deepspeed":
+        gather = min(max(numels, default=0) if largest_gather is None else largest_gather, n)
+        terms = [
+            Term(
+                "params",
+                "device",
+                "the largest block or embedding, gathered to re-run the model's init (zero.Init)",
+                b * gather,
+                f"{b} B x {_gb(gather)} (parallel/deepspeed.py _rerun_custom_init)",
+                phase="build",
+            )
+        ]
+        if layout.offload_params == "none":
+            terms.append(Term("params", "device", "weight partitions", b * shards, f"{whole} / {w}", phase="build"))
+        return terms
+    unit = min(largest_unit, n)
+    terms = [
+        Term("params", "cpu", "whole model built in host memory (before fully_shard)", b * n, whole, phase="build")
+    ]
+    if layout.offload_params == "none":
+        # Under CPUOffloadPolicy the shards stay in host memory.
+        terms.append(
+            Term(
+                "params",
+                "device",
+                "shards + one whole unit while fully_shard moves it",
+                b * (shards + unit),
+                f"{b} B x ({_gb(n)} / {w} + {_gb(unit)})",
+                phase="build",
+            )
+        )
+    return terms

@@ -1,0 +1,36 @@
+"""The repeated block of a model (a transformer's layer class): the unit FSDP2 shards and regional compile compiles."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_trainopt.transforms.checkpointing import find_block_list
+
+__all__ = ["block_classes", "own_class"]
+
+
+def own_class(module: torch.nn.Module) -> type:
+    """The module's class, before FSDP2 swapped it for ``FSDP<Name>``."""
+    cls = type(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)
+    return cls.__mro__[index] if isinstance(index, int) else cls
+
+
+def block_classes(root: torch.nn.Module) -> list[str]:
+    """The class names of the model's repeated block, the units FSDP2 shards when ``shard_modules`` is not given.
+
+    The classes a Hugging Face model names in ``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``: the blocks
+    that must stay whole) that occur in it; else the class of the ``nn.ModuleList`` of same-class modules that holds
+    the most parameters (a transformer's blocks: ``Block`` of our GPT, ``TransformerEncoderLayer`` of
+    ``nn.TransformerEncoder``); else none.
+    """
+    present = {own_class(m).__name__ for m in root.modules()}
+    named: list[str] = []
+    for module in root.modules():
+        for name in sorted(getattr(module, "_no_split_modules", None) or ()):
+            if isinstance(name, str) and name in present and name not in named:
+                named.append(name)
+    if named:
+        return named
+    found = find_block_list(root)
+    return [] if found is None else [own_class(found[1][0]).__name__]

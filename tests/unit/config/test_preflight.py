@@ -1,0 +1,224 @@
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from lightning_trainopt.config import preflight as pf
+from lightning_trainopt.config.preflight import (
+    RULES,
+    PreflightInput,
+    compatibility_matrix_markdown,
+    preflight,
+    preflight_from_cfg,
+    size_advice,
+)
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+
+
+def preset(name):
+    return OmegaConf.to_container(OmegaConf.load(f"lightning_trainopt/conf/strategy/{name}.yaml"))
+
+
+def test_plain_bf16_zero2_passes():
+    assert preflight(PreflightInput(strategy=preset("zero2"), precision="bf16-mixed", accelerator="cpu")) == []
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp"])
+def test_fp8_with_sharding_refused(name):
+    with pytest.raises(IncompatibleConfigError, match="18820"):
+        preflight(PreflightInput(strategy=preset(name), precision="transformer-engine", accelerator="gpu"))
+
+
+def test_fp8_refusal_matches_lightning_behaviour():
+    # The rule mirrors what Lightning itself does when handed the combination.
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision
+
+    with pytest.raises(ValueError, match="not supported"):
+        DeepSpeedPrecision("transformer-engine")
+
+
+def test_fp8_with_ddp_allowed():
+    preflight(PreflightInput(strategy=preset("ddp"), precision="transformer-engine", accelerator="gpu"))
+
+
+@pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
+def test_8bit_optimizer_with_offload_refused(name):
+    with pytest.raises(IncompatibleConfigError, match="6666"):
+        preflight(
+            PreflightInput(strategy=preset(name), optimizer_target="bitsandbytes.optim.AdamW8bit", accelerator="cpu")
+        )
+
+
+def test_8bit_optimizer_with_fsdp_refused_but_kept_under_zero():
+    with pytest.raises(IncompatibleConfigError, match="DTensor"):
+        preflight(
+            PreflightInput(strategy=preset("fsdp"), optimizer_target="bitsandbytes.optim.AdamW8bit", accelerator="cpu")
+        )
+    for name in ("zero1", "zero2", "zero3"):
+        preflight(
+            PreflightInput(strategy=preset(name), optimizer_target="bitsandbytes.optim.AdamW8bit", accelerator="cpu")
+        )
+
+
+def test_non_adam_with_offload_refused_and_adam_allowed():
+    with pytest.raises(IncompatibleConfigError, match="ZeRORuntimeException"):
+        preflight(
+            PreflightInput(strategy=preset("zero2_offload"), optimizer_target="torch.optim.SGD", accelerator="cpu")
+        )
+    preflight(PreflightInput(strategy=preset("zero2_offload"), optimizer_target="torch.optim.AdamW", accelerator="cpu"))
+
+
+def test_deepspeed_json_with_its_own_optimizer_and_offload_allowed():
+    strategy = {
+        **preset("deepspeed_json"),
+        "config": {
+            "optimizer": {"type": "AdamW", "params": {"lr": 6e-5}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        },
+    }
+    preflight(PreflightInput(strategy=strategy, optimizer_target="torch.optim.SGD", accelerator="cpu"))
+
+
+def test_gradient_accumulation_scheduler_with_deepspeed_refused():
+    with pytest.raises(IncompatibleConfigError, match="GradientAccumulationScheduler"):
+        preflight(
+            PreflightInput(
+                strategy=preset("zero1"),
+                callback_targets=("lightning.pytorch.callbacks.GradientAccumulationScheduler",),
+                accelerator="cpu",
+            )
+        )
+    preflight(
+        PreflightInput(
+            strategy=preset("ddp"),
+            callback_targets=("lightning.pytorch.callbacks.GradientAccumulationScheduler",),
+            accelerator="cpu",
+        )
+    )
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_fp16_on_cpu_refused(precision):
+    with pytest.raises(IncompatibleConfigError, match="bf16"):
+        preflight(PreflightInput(strategy=None, precision=precision, accelerator="cpu"))
+
+
+def test_fp16_on_gpu_allowed():
+    preflight(PreflightInput(strategy=preset("zero2"), precision="16-mixed", accelerator="gpu"))
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_offload"])
+def test_fp16_amp_with_fsdp2_refused_on_gpu(name):
+    with pytest.raises(IncompatibleConfigError, match="ModelParallelStrategy") as err:
+        preflight(PreflightInput(strategy=preset(name), precision="16-mixed", accelerator="gpu"))
+    assert err.value.keys == {"precision": "16-mixed", "strategy": name}
+    preflight(PreflightInput(strategy=preset(name), precision="bf16-mixed", accelerator="gpu"))
+
+
+def test_fp16_fsdp2_refusal_matches_lightning_behaviour():
+    # Lightning refuses the precision string itself; the rule also covers the plugin path (custom loss scaler).
+    import lightning.pytorch as pl
+
+    from lightning_trainopt.parallel import TrainOptFSDPStrategy
+
+    with pytest.raises(ValueError, match="ModelParallelStrategy` does not support"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=TrainOptFSDPStrategy(), precision="16-mixed", logger=False)
+
+
+def test_nvme_without_async_io_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(pf, "_async_io_ok", lambda: False)
+    strategy = {**preset("zero_infinity"), "nvme_path": str(tmp_path)}
+    with pytest.raises(IncompatibleConfigError, match="libaio"):
+        preflight(PreflightInput(strategy=strategy, accelerator="cpu"))
+
+
+def test_nvme_path_checks(monkeypatch, tmp_path):
+    monkeypatch.setattr(pf, "_async_io_ok", lambda: True)
+    missing = {**preset("zero_infinity"), "nvme_path": str(tmp_path / "nope")}
+    with pytest.raises(ConfigError, match="strategy.nvme_path"):
+        preflight(PreflightInput(strategy=missing, accelerator="cpu"))
+    ok = {**preset("zero_infinity"), "nvme_path": str(tmp_path)}
+    monkeypatch.setattr(pf.os, "access", lambda path, mode: False)
+    with pytest.raises(ConfigError, match="not writable"):
+        preflight(PreflightInput(strategy=ok, accelerator="cpu"))
+    monkeypatch.undo()
+    monkeypatch.setattr(pf, "_async_io_ok", lambda: True)
+
+    class Usage:
+        free = 10 * 2**30
+
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: Usage)
+    with pytest.raises(ConfigError, match="GiB free"):
+        preflight(PreflightInput(strategy=ok, accelerator="cpu", n_params=7_000_000_000))
+    preflight(PreflightInput(strategy=ok, accelerator="cpu", n_params=1_000_000))
+
+
+def test_nvme_paths_of_a_users_json_are_each_checked_under_their_own_key(monkeypatch, tmp_path):
+    monkeypatch.setattr(pf, "_async_io_ok", lambda: True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+
+    def strategy(param_path):
+        zero = {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+            "offload_param": {"device": "nvme", "nvme_path": str(param_path)},
+        }
+        return {**preset("deepspeed_json"), "config": {"zero_optimization": zero}}
+
+    with pytest.raises(ConfigError) as err:
+        preflight(PreflightInput(strategy=strategy(tmp_path / "nope"), accelerator="cpu"))
+    assert err.value.key == "strategy.config.zero_optimization.offload_param.nvme_path"
+    # Each drive needs room for what goes to it: 12 B/param of optimizer states on a, 2 B/param of weights on b.
+    n_params = 1_000_000_000
+    free = {str(tmp_path / "a"): 12 * n_params, str(tmp_path / "b"): 2 * n_params}
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free[str(path)]}))
+    preflight(PreflightInput(strategy=strategy(tmp_path / "b"), accelerator="cpu", n_params=n_params))
+    free[str(tmp_path / "b")] -= 1
+    with pytest.raises(ConfigError, match="GiB free") as err:
+        preflight(PreflightInput(strategy=strategy(tmp_path / "b"), accelerator="cpu", n_params=n_params))
+    assert err.value.key == "strategy.config.zero_optimization.offload_param.nvme_path"
+
+
+def test_fsdp1_on_cpu_refused():
+    strategy = {"_target_": "lightning.pytorch.strategies.FSDPStrategy", "name": "fsdp1"}
+    with pytest.raises(IncompatibleConfigError, match="non-CPU"):
+        preflight(PreflightInput(strategy=strategy, accelerator="cpu"))
+
+
+def test_size_advice_warns_only_far_from_rule_of_thumb():
+    assert "ddp" in size_advice(125_000_000, "zero3_offload", {"optimizer": "cpu", "param": "cpu"})
+    assert size_advice(125_000_000, "ddp") is None
+    assert size_advice(3_000_000_000, "zero2") is None
+    assert "may not fit" in size_advice(30_000_000_000, "ddp")
+    advice = preflight(PreflightInput(strategy=preset("zero3_offload"), accelerator="cpu", n_params=125_000_000))
+    assert len(advice) == 1
+
+
+def test_preflight_from_cfg_reads_the_tree():
+    cfg = OmegaConf.create(
+        {
+            "strategy": preset("zero2_offload"),
+            "precision": {"trainer_precision": "bf16-mixed"},
+            "optimizer": {"_target_": "bitsandbytes.optim.AdamW8bit", "_partial_": True},
+            "callbacks": {},
+            "trainer": {"accelerator": "cpu", "devices": 2, "num_nodes": 1},
+            "model": {"_target_": "x", "n_layers": 2, "d_model": 64, "n_heads": 4, "ffn_hidden": 128},
+        }
+    )
+    with pytest.raises(IncompatibleConfigError):
+        preflight_from_cfg(cfg)
+    with pytest.raises(IncompatibleConfigError):
+        preflight(cfg)
+
+
+def test_matrix_lists_every_rule():
+    table = compatibility_matrix_markdown()
+    assert table.count("\n") == len(RULES) + 1
+    for rule in RULES:
+        assert rule.combination in table
+
+
+def test_documented_matrix_is_the_generated_one():
+    docs = Path(__file__).resolve().parents[3] / "docs" / "strategies.md"
+    assert compatibility_matrix_markdown().rstrip("\n") in docs.read_text()
