@@ -45,7 +45,7 @@ POLICIES = {
 
 
 def measure_activations(cfg: GPTConfig, precision: str, policy_name: str, micro_batch: int, seq_len: int) -> int:
-    """Saved-for-backward bytes of one real CPU forward, counted by core.saved_tensors with the real techniques."""
+    """Saved-for-backward bytes of one real CPU forward, counted by metrics.saved_tensors with the real techniques."""
     from lightning_trainopt.transforms.checkpointing import CheckpointPolicy, apply_activation_checkpointing
     from lightning_trainopt.transforms.compression import Int8Compressor
 

@@ -4,16 +4,16 @@
     python bench/planner_fsdp.py hf_llama         # the same for a Hugging Face Llama (units from _no_split_modules)
     python bench/planner_fsdp.py measure OUT.json [hf_llama] # the measurement alone: rank 0 writes OUT.json
 
-Measured: the model is sharded by ``strategies.fsdp.apply_fully_shard`` (the blocks, then the rest as the root unit,
+Measured: the model is sharded by ``parallel.fsdp.apply_fully_shard`` (the blocks, then the rest as the root unit,
 exactly as ``+strategy=fsdp`` does under a LightningModule), fp32, AdamW; after two warm-up steps rank 0 records one
 forward and backward under ``torch.profiler`` with ``profile_memory``. Counted: allocations made inside FSDP2's own
 ``FSDP::*`` regions (all-gather outputs, unsharded parameters, reduce-scatter inputs) and the full gradients autograd
 writes into the unsharded parameters (the allocations freed in ``FSDP::post_backward_reduce``); left out: the
 reduce-scatter outputs (the sharded gradients, which the planner counts as gradients) and allocations inside
 ``c10d::`` ops (the collective backend's own temporaries). The figure is the peak of those bytes alive at once.
-Predicted: the ``FSDP2 ...`` backward terms of ``core.estimate.estimate_model_states`` for the same model; for
-``hf_llama`` with the units read from the module (``core.estimate.module_profile``, the block class from
-``strategies.fsdp.block_classes``: ``LlamaDecoderLayer``), as ``plan.py model=hf`` plans them.
+Predicted: the ``FSDP2 ...`` backward terms of ``planner.estimate_model_states`` for the same model; for
+``hf_llama`` with the units read from the module (``planner.module_profile``, the block class from
+``parallel.fsdp.block_classes``: ``LlamaDecoderLayer``), as ``plan.py model=hf`` plans them.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@
 MODEL: ``gpt_tiny`` (default, our transformer: planned analytically), ``hf_llama`` (:data:`HF_LLAMA`, a
 ``LitCausalLM`` from a ``config.json``) or ``user`` (``tests.helpers.user_module.UserLM``:
 ``nn.TransformerEncoderLayer`` blocks, dict batches, no ``configure_optimizers`` so the app's AdamW over decay groups);
-the last two are planned from the module built on the meta device (``app.plan_model.module_plan_profile``), as
+the last two are planned from the module built on the meta device (``config.plan_model.module_plan_profile``), as
 ``plan.py model=hf|module`` plans them.
 
-Measured: ``core.memory_accounting.memory_breakdown`` (the strategies' per-rank accounting) on rank 0 in
+Measured: ``metrics.memory_accounting.memory_breakdown`` (the strategies' per-rank accounting) on rank 0 in
 ``on_before_optimizer_step`` of step 1 (gradients present, optimizer states created by step 0).
-Predicted: ``core.estimate.estimate_model_states`` for the same preset YAML, resident terms (the fp32 gradient
+Predicted: ``planner.estimate_model_states`` for the same preset YAML, resident terms (the fp32 gradient
 partition DeepSpeed builds inside ``step()`` and frees at its end is in the planner's peak, not in this snapshot).
 """
 
@@ -91,7 +91,7 @@ def build_module(model: str) -> Any:
     from tests.helpers.user_module import UserLM
 
     module = UserLM(**USER_ARGS)
-    # What train.py gives a module without configure_optimizers (app.model_factory): AdamW over the decay groups.
+    # What train.py gives a module without configure_optimizers (config.model_factory): AdamW over the decay groups.
     adamw = partial(torch.optim.AdamW, lr=3e-4)
     module.configure_optimizers = types.MethodType(lambda self: configure_optimizers(self, adamw, None), module)
     return module

@@ -48,7 +48,7 @@ ANALYTIC, USER_FN, COUNTER, UNKNOWN = (
 def checkpointed_fraction(module: torch.nn.Module, n_blocks: int | None) -> float:
     """Share of transformer blocks whose forward is recomputed in backward.
 
-    Counts modules wrapped by our ``ActivationCheckpointing`` (``techniques.checkpointing.is_checkpointed``) and
+    Counts modules wrapped by our ``ActivationCheckpointing`` (``transforms.checkpointing.is_checkpointed``) and
     torch's ``CheckpointWrapper``. Without ``n_blocks`` (not our model) any wrapper counts as 1.
     """
     from lightning_trainopt.transforms.checkpointing import is_checkpointed

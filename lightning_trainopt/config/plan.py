@@ -130,7 +130,7 @@ def _adam_path(cfg: DictConfig, on_cuda: bool) -> Callable[[PlanInputs], str]:
 
     On CUDA, LitGPT gives a torch Adam/AdamW partial the fused kernel (no temporary) unless it sets ``fused`` or
     ``foreach``, the strategy is DeepSpeed (which steps the client optimizer on its flat fp32 partitions: torch's
-    default there is ``foreach``), or fp16 AMP with gradient clipping (``techniques.optimizers.fused_adam_kwargs``).
+    default there is ``foreach``), or fp16 AMP with gradient clipping (``optim.optimizers.fused_adam_kwargs``).
     On CPU torch has no foreach kernels: the single-tensor loop, unless the node asks for ``fused``/``foreach``.
     """
     opt = cfg.get("optimizer") or {}

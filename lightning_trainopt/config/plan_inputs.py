@@ -226,7 +226,7 @@ def _positive(key: str, value: Any, fix: str) -> int:
 def json_accumulation(user_json: dict[str, Any], micro: int, world: int, accumulate: int) -> int:
     """The gradient accumulation ``train.py`` runs with a user DeepSpeed JSON.
 
-    As ``strategies.builder`` and ``TrainOptDeepSpeedStrategy`` do: a ``train_batch_size`` fixes it to
+    As ``parallel.builder`` and ``TrainOptDeepSpeedStrategy`` do: a ``train_batch_size`` fixes it to
     ``train_batch_size / (train_micro_batch_size_per_gpu (default data.batch_size) x world)`` when
     ``trainer.accumulate_grad_batches`` is 1, and must agree with it otherwise.
 
@@ -253,7 +253,7 @@ def json_accumulation(user_json: dict[str, Any], micro: int, world: int, accumul
 
 
 def validate_like_train(cfg: DictConfig) -> None:
-    """Run ``train.py``'s per-key checks (``app.validate.validate_config``) on a config planned for other hardware.
+    """Run ``train.py``'s per-key checks (``config.validate.validate_config``) on a config planned for other hardware.
 
     The checks about this machine (its CUDA device or core count, fp16 on its accelerator) do not apply to a plan
     for hardware it does not have, so they see a non-local accelerator; fp16 on planned CPU hardware is refused by
@@ -294,7 +294,7 @@ def check_compatible(
     callbacks: Any = None,
     precision: Any = None,
 ) -> None:
-    """Refuse what ``train.py``'s pre-flight refuses (``app.preflight.RULES``), for the planned hardware.
+    """Refuse what ``train.py``'s pre-flight refuses (``config.preflight.RULES``), for the planned hardware.
 
     The same rules run for the given config and for every search candidate, so ``plan.py`` refuses exactly what
     ``train.py`` refuses and the search enumerates exactly what it accepts. Rules about this machine

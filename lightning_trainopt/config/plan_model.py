@@ -1,9 +1,9 @@
 """The planner's :class:`~lightning_trainopt.planner.ModelProfile` of any model built on the meta device.
 
-Model states come from the module's parameters (``core.estimate.module_profile``); activations are measured on fake
-tensors with the real techniques applied (``techniques.checkpointing`` wraps the blocks as ``activations=checkpoint``
+Model states come from the module's parameters (``planner.module_profile``); activations are measured on fake
+tensors with the real techniques applied (``transforms.checkpointing`` wraps the blocks as ``activations=checkpoint``
 does in training; int8 and offload follow their rules storage by storage), lazily and once per configuration; FLOPs
-are counted once by ``torch.utils.flop_counter`` on a meta copy (``core.flops.fit_seq_flops``) and fitted to
+are counted once by ``torch.utils.flop_counter`` on a meta copy (``metrics.flops.fit_seq_flops``) and fitted to
 ``B * (c + a*T + b*T^2)``.
 """
 
@@ -136,8 +136,8 @@ def module_plan_profile(
         loss_fn: ``(module, batch) -> loss`` (default :func:`training_loss`).
         transform: applied to each fake copy before it is measured, before checkpointing wraps its blocks, as the
             precision plugin converts the model before the strategy and the callbacks see it (FP8 layers,
-            fp32-kept modules: ``app.plan_precision``).
-        measure_context: entered around each measurement (``app.plan_precision``: torchao's ``Float8Linear`` sees
+            fp32-kept modules: ``config.plan_precision``).
+        measure_context: entered around each measurement (``config.plan_precision``: torchao's ``Float8Linear`` sees
             the CPU autocast as a GPU run's).
 
     Raises:

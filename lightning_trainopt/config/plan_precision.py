@@ -4,7 +4,7 @@ Which layers an FP8 preset converts is decided by ``precision.layer_filter.plan_
 meta device — the function the run's conversion calls — so the plan and the run agree layer by layer. The bytes saved
 for backward under the conversion are measured on fake tensors with the real conversion applied (torchao's
 ``Float8Linear`` and the fp32-kept modules run there, as they run on a CPU); Transformer Engine cannot run on a CPU,
-so its change is derived per converted layer (``core.estimate.precision_plan.te_saved_delta``).
+so its change is derived per converted layer (``planner.precision_plan.te_saved_delta``).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _fail(err: Exception) -> None:
 
 
 def _leave_sweep_job(error: str) -> None:
-    """End a failed child rank of a sweep job: its error for rank 0, and exit code 0 (see ``app.multirun``)."""
+    """End a failed child rank of a sweep job: its error for rank 0, and exit code 0 (see ``launch.multirun``)."""
     record_child_error(_run_dir(), error)
     sys.exit(0)
 

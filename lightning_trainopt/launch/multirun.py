@@ -129,7 +129,7 @@ def teardown_distributed() -> None:
     DeepSpeed caches its process groups in module globals; its own ``destroy_process_group`` releases them
     too, otherwise the next DeepSpeed job of a sweep fails with "Group ... is not registered". ZeRO-3 also
     counts modules and parameters in process-wide state, which this process would carry into the next job while the
-    ranks Lightning starts for it count from zero (``strategies.deepspeed.reset_zero3_counters``).
+    ranks Lightning starts for it count from zero (``parallel.deepspeed.reset_zero3_counters``).
     """
     if "deepspeed" in sys.modules:
         from lightning_trainopt.parallel.deepspeed import reset_zero3_counters

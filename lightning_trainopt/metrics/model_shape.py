@@ -28,7 +28,7 @@ class GPTConfig:
         tie_embeddings: share the input embedding with the output projection.
         rope_theta: rotary base.
         norm_eps: RMSNorm epsilon.
-        attention: the attention kernel, one of :data:`ATTENTION_KERNELS` (``techniques.attention``).
+        attention: the attention kernel, one of :data:`ATTENTION_KERNELS` (``transforms.attention``).
 
     Example::
 

@@ -151,10 +151,10 @@ class GPT(nn.Module):
 
         Args:
             idx: token ids.
-            doc_ids: ``(batch, seq)`` document index per position (``techniques.attention.document_ids``): attention
+            doc_ids: ``(batch, seq)`` document index per position (``transforms.attention.document_ids``): attention
                 stays inside each packed document. ``None``: each row is one causal sequence.
             return_hidden: return the hidden states that ``lm_head`` would take (for a loss that applies the head
-                itself, e.g. ``techniques.chunked_loss``), not the logits.
+                itself, e.g. ``transforms.chunked_loss``), not the logits.
         """
         t = idx.shape[1]
         if t > self.config.max_seq_len:

@@ -31,7 +31,7 @@ class LitLanguageModel(pl.LightningModule):
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
         compile_model: ``torch.compile`` the inner model (never the LightningModule: ``self.log`` cannot be traced).
         loss: the output head + cross-entropy as one callable ``loss(head, hidden, targets)``
-            (``techniques.chunked_loss.ChunkedLMHeadLoss``, ``techniques.liger_loss.LigerLMHeadLoss``); ``None``: the
+            (``transforms.chunked_loss.ChunkedLMHeadLoss``, ``transforms.liger_loss.LigerLMHeadLoss``); ``None``: the
             model's own logits and cross-entropy.
 
     Example::

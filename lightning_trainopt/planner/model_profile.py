@@ -197,7 +197,7 @@ def forward_trace(module: nn.Module, run: Callable[[], object]) -> ModuleTrace:
 
 
 def _fsdp_units(module: nn.Module, block_classes: Sequence[str], trace: ModuleTrace) -> tuple[FSDPUnits, str]:
-    """FSDP2's units of ``module`` as ``strategies.fsdp.apply_fully_shard`` makes them: each module of a block class
+    """FSDP2's units of ``module`` as ``parallel.fsdp.apply_fully_shard`` makes them: each module of a block class
     its own unit (outermost first; a parameter in the first unit that holds it), the parameters outside every block
     the root. The head is the root parameters of the last module in the forward trace that owns any: backward makes
     their gradient first, and the root unit reduces it only after backward."""
@@ -253,7 +253,7 @@ def module_profile(
         name: for reports.
         activations: measures activations per configuration (see :data:`ActivationsFn`).
         flops: counts FLOPs per micro-batch shape (see :data:`FlopsFn`).
-        block_classes: class names of the repeated block (``strategies.fsdp.block_classes``: a Hugging Face model's
+        block_classes: class names of the repeated block (``parallel.fsdp.block_classes``: a Hugging Face model's
             ``_no_split_modules``, else the class of the largest ``ModuleList``); ``()``: none, every parameter in
             the root unit.
         trace: the forward order of parameter-owning modules (:func:`forward_trace`); ``None``: each parameter its

@@ -449,7 +449,7 @@ def _speed_kind(e: PlanEstimate) -> str:
 def refused_jobs(sweep_dir: Path) -> dict[str, str]:
     """``{job: error}`` of the jobs of a ``plan.py -m`` sweep that were not planned: refused, or failed (raised).
 
-    Such a job leaves ``metrics.json`` with ``status: refused`` or ``failed`` in its directory (``app.cli``); a
+    Such a job leaves ``metrics.json`` with ``status: refused`` or ``failed`` in its directory (``launch.cli``); a
     planned one leaves nothing there (the plan goes to stdout).
     """
     out = {}

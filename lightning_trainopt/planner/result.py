@@ -1,6 +1,6 @@
 """What ``plan(cfg)`` returns, as plain data, and its JSON view (``plan.format=json``).
 
-It sits below both ``app.plan`` (which builds it) and ``app.plan_report`` (which prints it), so neither imports the
+It sits below both ``config.plan`` (which builds it) and ``planner.report`` (which prints it), so neither imports the
 other for it.
 """
 

@@ -2,7 +2,7 @@
 gathered for the chunked head in forward and backward), and loss=liger is refused on a CPU before training.
 
 Each case is one sweep of two jobs with the same strategy: the second ZeRO-3 job of a sweep used to fail (rank 0
-carried DeepSpeed's module counter over from the first job; ``strategies.deepspeed.reset_zero3_counters``)."""
+carried DeepSpeed's module counter over from the first job; ``parallel.deepspeed.reset_zero3_counters``)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,9 @@ def test_plan_and_ladder_notebook_executes(tmp_path):
     assert (out / "ladder.png").stat().st_size > 1000
     # The predicted ladder has the experiment's rungs, in its sweep order.
     sweep = next(
-        line for line in (ROOT / "lightning_trainopt/conf/experiment/ladder.yaml").read_text().splitlines() if "ladder_rung:" in line
+        line
+        for line in (ROOT / "lightning_trainopt/conf/experiment/ladder.yaml").read_text().splitlines()
+        if "ladder_rung:" in line
     )
     rungs = sweep.split(":", 1)[1].strip().split(",")
     assert len(rungs) == 7

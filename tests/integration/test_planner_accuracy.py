@@ -1,5 +1,5 @@
 """The planner against measurement: saved-for-backward bytes (real CPU forward with the real techniques),
-per-rank model states on 2 CPU processes (core.memory_accounting) and FSDP2's gathered units on 2 CPU processes
+per-rank model states on 2 CPU processes (metrics.memory_accounting) and FSDP2's gathered units on 2 CPU processes
 (torch.profiler allocations), as recorded in bench/RESULTS.md; for our model, a Hugging Face Llama config and a user's
 LightningModule."""
 

@@ -1,7 +1,7 @@
 """The config tree's presets: published model shapes, the defaults list, partials.
 
 That every option of every group composes and binds to its targets is checked in ``test_config_keys.py``, by the
-check ``train.py`` runs (``app.config_keys``).
+check ``train.py`` runs (``config.keys``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The window accumulator the measuring callbacks share (``core.throughput.TrainingWindow``), with a mocked clock."""
+"""The window accumulator the measuring callbacks share (``metrics.throughput.TrainingWindow``), with a mocked clock."""
 
 from __future__ import annotations
 

@@ -44,7 +44,9 @@ MEANING = {
 
 
 def _preset(name: str, tmp_path=None) -> dict[str, Any]:
-    node = OmegaConf.to_container(OmegaConf.load(REPO_ROOT / "lightning_trainopt" / "conf" / "strategy" / f"{name}.yaml"))
+    node = OmegaConf.to_container(
+        OmegaConf.load(REPO_ROOT / "lightning_trainopt" / "conf" / "strategy" / f"{name}.yaml")
+    )
     assert isinstance(node, dict)
     if name == "deepspeed_json":
         path = tmp_path / "ds.json"

@@ -1,4 +1,4 @@
-"""Analytic activation bytes against the generic measured path (fake tensors, core.saved_tensors)."""
+"""Analytic activation bytes against the generic measured path (fake tensors, metrics.saved_tensors)."""
 
 from __future__ import annotations
 
