@@ -185,7 +185,7 @@ FP8_CFG = GPTConfig(
 def _plan_cfg(overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(__file__).resolve().parents[1] / "lightning_trainopt" / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         return compose("plan", overrides=overrides)
 

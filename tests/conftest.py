@@ -53,6 +53,16 @@ def _destroy_process_group():
 
 
 @pytest.fixture(autouse=True)
+def _builtin_linear_after_zero3():
+    """A test that enters ``deepspeed.zero.Init`` leaves DeepSpeed's linear in ``torch.nn.functional`` (as a sweep job
+    does in its process, which ``launch.multirun.teardown_distributed`` undoes); the next test gets torch's own."""
+    yield
+    from lightning_trainopt._compat.torch_internals import restore_builtin_linear
+
+    restore_builtin_linear()
+
+
+@pytest.fixture(autouse=True)
 def _reset_hydra():
     yield
     from hydra.core.global_hydra import GlobalHydra

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "MetaTruthValues",
     "builtin_linear",
+    "restore_builtin_linear",
     "RecomputeFlopCounter",
     "ddp_comm_hook_name",
     "ddp_comm_hook_state",
@@ -232,6 +233,22 @@ def builtin_linear() -> Iterator[None]:
         yield
     finally:
         functional.linear = current
+
+
+def restore_builtin_linear() -> bool:
+    """Put torch's own ``torch.nn.functional.linear`` back where DeepSpeed ZeRO-3 left its ``zero3_linear_wrap``.
+
+    ``zero.Init`` swaps it process-wide and leaves it swapped after the job (deepspeed 0.19). A sweep runs its jobs
+    in one rank-0 process, so every job after a ZeRO-3 one would train (and measure its activations) with DeepSpeed's
+    linear, which saves other tensors under autocast. Returns whether it restored anything.
+    """
+    functional = torch.nn.functional
+    builtin = getattr(torch._C._nn, "linear", None)
+    current = functional.linear
+    if builtin is None or current is builtin or not getattr(current, "__module__", "").startswith("deepspeed."):
+        return False
+    functional.linear = builtin
+    return True
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_trainopt._compat.torch_internals import restore_builtin_linear
+
 __all__ = [
     "CHILD_ARGV_ENV",
     "apply_child_command",
@@ -135,6 +137,7 @@ def teardown_distributed() -> None:
         from lightning_trainopt.parallel.deepspeed import reset_zero3_counters
 
         reset_zero3_counters()
+    restore_builtin_linear()
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     ds_comm = sys.modules.get("deepspeed.comm")

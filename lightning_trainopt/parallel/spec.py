@@ -79,7 +79,7 @@ class StrategySpec:
 
     Example::
 
-        spec = parse_strategy(OmegaConf.load("conf/strategy/zero3_offload.yaml"))
+        spec = parse_strategy(OmegaConf.load("lightning_trainopt/conf/strategy/zero3_offload.yaml"))
         spec.zero.stage, spec.offload  # (3, {"optimizer": "cpu", "param": "cpu"})
     """
 

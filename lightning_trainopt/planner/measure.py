@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_trainopt._compat.torch_internals import builtin_linear
 from lightning_trainopt.metrics.flops import meta_copy
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.planner.activations import ActivationPolicy, compressed_bytes, placed_bytes
@@ -62,7 +63,7 @@ def measure_activation_bytes(
     with warnings.catch_warnings():
         # The counter asks storages for their address; fake storages answer with a deprecation warning.
         warnings.simplefilter("ignore")
-        with FakeTensorMode():
+        with FakeTensorMode(), builtin_linear():
             module = build_module()
             inputs = make_inputs()
             with SavedTensorsCounter(params=module.parameters()) as counter:
@@ -168,7 +169,7 @@ def measure_saved_storages(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fake storages answer data_ptr() with a deprecation warning
         truth = MetaTruthValues(fake=True) if truth_values else contextlib.nullcontext()
-        with FakeTensorMode(), truth:
+        with FakeTensorMode(), truth, builtin_linear():
             module = build_module()
             batch = make_inputs()
             owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -47,3 +48,17 @@ def test_without_the_private_hook_recompute_is_unknown_not_zero(monkeypatch):
     fit = fit_seq_flops(_Half(True), torch.zeros(2, 3, 8), samples=2, seq_len=3)
     assert fit.recompute_share is None
     assert fit.hardware(2, 3) == fit(2, 3)
+
+
+def test_a_sweep_job_after_zero3_gets_torch_linear_back():
+    # deepspeed 0.19's zero.Init leaves zero3_linear_wrap in torch.nn.functional after it exits; the teardown between
+    # sweep jobs (and the planner's fake-tensor measurement) must not keep it.
+    deepspeed = pytest.importorskip("deepspeed")
+    from lightning_trainopt._compat.torch_internals import restore_builtin_linear
+    from lightning_trainopt.launch.multirun import teardown_distributed
+
+    builtin = torch.nn.functional.linear
+    torch.nn.functional.linear = deepspeed.runtime.zero.linear.zero3_linear_wrap  # what an enabled zero.Init leaves
+    teardown_distributed()
+    assert torch.nn.functional.linear is builtin
+    assert restore_builtin_linear() is False

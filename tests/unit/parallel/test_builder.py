@@ -14,7 +14,7 @@ TRAINER = {"accumulate_grad_batches": 1, "gradient_clip_val": 1.0}
 
 
 def preset(name):
-    return OmegaConf.load(f"conf/strategy/{name}.yaml")
+    return OmegaConf.load(f"lightning_trainopt/conf/strategy/{name}.yaml")
 
 
 def test_none_is_auto():
@@ -149,7 +149,9 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed now raises ImportError
     from pathlib import Path
 
-    node = OmegaConf.load(Path(__file__).resolve().parents[3] / "conf" / "strategy" / "zero3.yaml")
+    node = OmegaConf.load(
+        Path(__file__).resolve().parents[3] / "lightning_trainopt" / "conf" / "strategy" / "zero3.yaml"
+    )
     with pytest.raises(MissingDependencyError, match=r"pip install torch==[0-9.]+ -e \"\.\[deepspeed\]\""):
         build_strategy(node, PrecisionSpec(name="fp32", trainer_precision="32-true"), None, micro_batch_size=4)
 
