@@ -35,6 +35,7 @@ from lightning_trainopt.launch.console import StepsProgressBar, model_line, quie
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.models import LitGPT
+from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
 from lightning_trainopt.precision import trainer_precision_kwargs
 
@@ -353,12 +354,13 @@ def _collect_metrics(
     strategy_info: dict[str, Any],
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
-    world = trainer.world_size
-    tokens_this_run = clock.local_tokens * world
+    dims = ParallelDims.from_trainer(trainer)
+    # One rank's tokens count once per data-parallel replica: a tensor-parallel group's ranks read the same batches.
+    tokens_this_run = clock.local_tokens * dims.dp
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
     micro = _micro_batch(cfg, getattr(trainer, "datamodule", None))
     seq_len = cfg.data.get("seq_len") or getattr(getattr(trainer, "datamodule", None), "seq_len", None)
-    per_step = micro * trainer.accumulate_grad_batches * world if micro is not None else None
+    per_step = micro * trainer.accumulate_grad_batches * dims.dp if micro is not None else None
     metrics: dict[str, Any] = {
         **outcome,
         "model": name,
@@ -366,7 +368,9 @@ def _collect_metrics(
         **strategy_info,
         "precision": precision.name,
         "trainer_precision": precision.trainer_precision,
-        "world_size": world,
+        "world_size": dims.world_size,
+        "data_parallel_size": dims.dp,
+        "parallel_dims": dims.to_dict(),
         "devices": trainer.num_devices,
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
         "micro_batch_size": micro,
