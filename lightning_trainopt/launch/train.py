@@ -29,6 +29,7 @@ from lightning_trainopt.config.model_factory import (
     model_name,
     model_vocab_size,
 )
+from lightning_trainopt.config.parallel_dims import parallel_dims_from_cfg
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
@@ -180,13 +181,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     for advice in preflight(cfg):
         log.warning(advice)
+    # The ranks' split into replicas is validated here, before anything is spawned (the Trainer's strategy is
+    # checked against it again once it has set up: ParallelDims.from_trainer).
+    dims = parallel_dims_from_cfg(cfg)
 
     run_dir = output_dir(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
     if ckpt_path is not None:
         from lightning_trainopt.checkpoint.resume_check import check_resume
 
-        check_resume(cfg, ckpt_path)
+        check_resume(cfg, ckpt_path, dims.dp if dims is not None else None)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     precision = instantiate(cfg.precision)
