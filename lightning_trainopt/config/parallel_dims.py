@@ -8,7 +8,7 @@ import torch
 
 from lightning_trainopt.parallel.dims import ParallelDims
 
-__all__ = ["parallel_dims_from_cfg", "resolved_devices"]
+__all__ = ["parallel_dims_from_cfg", "parallel_dims_of", "resolved_devices"]
 
 # Lightning's own ModelParallelStrategy defaults both sizes to "auto" (tensor parallel within a node, data parallel
 # across nodes); our TrainOptFSDPStrategy (FSDP2 on a ModelParallelStrategy) defaults tensor_parallel_size to 1.
@@ -49,12 +49,23 @@ def parallel_dims_from_cfg(cfg: Any) -> ParallelDims | None:
     nodes = trainer.get("num_nodes", 1)
     if devices is None or not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
         return None
-    strategy = cfg.get("strategy") or {}
+    return parallel_dims_of(devices, nodes, cfg.get("strategy"))
+
+
+def parallel_dims_of(devices: int, num_nodes: int, strategy: Any) -> ParallelDims:
+    """The dims of ``devices`` x ``num_nodes`` ranks under the ``strategy`` node (``None``: Lightning's default).
+
+    Raises:
+        ConfigError: a size that is not a positive whole number.
+        IncompatibleConfigError: the sizes do not split the world (see :meth:`ParallelDims.from_config`).
+    """
+    if not hasattr(strategy, "get"):  # no node, or a Lightning strategy name such as "ddp": every rank a replica
+        strategy = {}
     lightning_default = str(strategy.get("_target_", "")) == _LIGHTNING_MODEL_PARALLEL
     tp = strategy.get("tensor_parallel_size", "auto" if lightning_default else 1)
     dp = strategy.get("data_parallel_size", "auto")
     if tp == "auto":
         tp = devices
     if dp == "auto":
-        dp = nodes if lightning_default else -1
-    return ParallelDims.from_config(devices, nodes, tp=tp, dp_shard=dp)
+        dp = num_nodes if lightning_default else -1
+    return ParallelDims.from_config(devices, num_nodes, tp=tp, dp_shard=dp)

@@ -23,6 +23,8 @@ from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.launch.train import _collect_metrics
 from lightning_trainopt.metrics.flops import transformer_flops
 from lightning_trainopt.parallel import ParallelDims
+from lightning_trainopt.planner import PlanInputs, estimate_plan
+from lightning_trainopt.planner.result import estimate_dict
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
 
@@ -272,6 +274,16 @@ def test_metrics_json_reports_the_data_parallel_size_beside_the_world_size():
     assert metrics["tokens_this_run"] == 15 * 64 * 2
     assert metrics["tokens_seen"] == 5 * 24 * 16
     assert metrics["tokens_per_sec"] == 15 * 64 * 2 / 10.0
+
+
+def test_the_planner_counts_replicas_and_refuses_tensor_parallelism_it_does_not_model():
+    inputs = PlanInputs(TINY, micro_batch=2, accumulate=3, seq_len=16, devices=2, num_nodes=2)
+    assert (inputs.world_size, inputs.data_parallel_size) == (4, 4)
+    row = estimate_dict(estimate_plan(inputs, device_memory_bytes=2**30, peak_flops=1e12, price_per_device_hour=None))
+    assert (row["world_size"], row["data_parallel_size"]) == (4, 4)
+    with pytest.raises(IncompatibleConfigError, match="tensor parallelism are not modelled yet") as err:
+        PlanInputs(TINY, devices=4, tensor_parallel=2)
+    assert err.value.keys == {"strategy.tensor_parallel_size": 2}
 
 
 @pytest.mark.slow
