@@ -358,7 +358,7 @@ def _collect_metrics(
     strategy_info: dict[str, Any],
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
-    dims = ParallelDims.from_trainer(trainer)
+    dims = clock.dims or ParallelDims.from_trainer(trainer)  # as read when training started, if it did
     # One rank's tokens count once per data-parallel replica: a tensor-parallel group's ranks read the same batches.
     tokens_this_run = clock.local_tokens * dims.dp
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).

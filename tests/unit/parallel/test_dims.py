@@ -264,6 +264,7 @@ def test_metrics_json_reports_the_data_parallel_size_beside_the_world_size():
     for _ in range(15):  # 5 optimizer steps of 3 micro-batches of 4 x 16 tokens on this rank
         clock.on_train_batch_end(trainer, None, None, torch.zeros(4, 16), 0)
     clock.on_train_end(trainer, None)
+    assert clock.dims == DP2_TP2  # read (and the sampler checked) when training started
     cfg = OmegaConf.create({"data": {"batch_size": 4, "seq_len": 16}})
     precision = SimpleNamespace(name="bf16", trainer_precision="bf16-mixed")
     metrics = _collect_metrics(cfg, trainer, torch.nn.Linear(2, 2), "m", clock, precision, {}, 12.0, None, {})
