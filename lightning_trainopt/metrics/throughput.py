@@ -77,7 +77,7 @@ def batch_size_of(batch: Any, mask_tokens: bool = True) -> BatchSize:
 
 @dataclass(frozen=True)
 class ThroughputWindow:
-    """Rates over a window of micro-batches on one device, and the whole job (``world_size`` devices).
+    """Rates over a window of micro-batches per device, and of the whole job (``*_total``: all data-parallel replicas).
 
     A rate is ``None`` when its count is unknown (a batch the callback could not size, FLOPs it could not count).
     """
