@@ -16,7 +16,6 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from omegaconf import OmegaConf
 
 from lightning_trainopt.callbacks import CostMonitor, MicroBatchFinder, SpeedMonitor
-from lightning_trainopt.config.parallel_dims import parallel_dims_from_cfg, resolved_devices
 from lightning_trainopt.data.resumable_loader import ResumableDataLoader
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.launch.run_clock import RunClock
@@ -158,30 +157,6 @@ def test_a_sampler_that_shards_over_ranks_instead_of_replicas_is_refused():
 def test_a_mesh_that_does_not_describe_the_world_is_refused(mesh, world, match):
     with pytest.raises(IncompatibleConfigError, match=match):
         ParallelDims.from_strategy(MeshStrategy(mesh, world))
-
-
-def test_dims_from_the_config_read_the_strategy_node():
-    def cfg(devices: Any, strategy: dict | None = None, nodes: int = 1) -> Any:
-        trainer = {"accelerator": "cpu", "devices": devices, "num_nodes": nodes}
-        return OmegaConf.create({"trainer": trainer, "strategy": strategy})
-
-    assert parallel_dims_from_cfg(cfg(4)) == ParallelDims.from_world(4)
-    assert parallel_dims_from_cfg(cfg(4, {"tensor_parallel_size": 2})) == DP2_TP2
-    lightning_mp = {"_target_": "lightning.pytorch.strategies.ModelParallelStrategy"}
-    auto = parallel_dims_from_cfg(cfg(4, lightning_mp, nodes=2))  # Lightning's auto: tp within a node, dp across
-    assert auto is not None
-    assert (auto.dp, auto.tp) == (2, 4)
-    with pytest.raises(IncompatibleConfigError, match="trainer.devices=3 x num_nodes=1 is not divisible by tp=2"):
-        parallel_dims_from_cfg(cfg(3, {"tensor_parallel_size": 2}))
-    assert parallel_dims_from_cfg(cfg(0)) is None  # unknown from the config: validated once the Trainer runs
-
-
-def test_devices_resolved_from_the_trainer_node():
-    assert resolved_devices({"devices": 4, "num_nodes": 2}) == 4
-    assert resolved_devices(OmegaConf.create({"devices": [0, 1]})) == 2
-    assert resolved_devices({"devices": "auto", "accelerator": "cpu"}) == 1
-    assert resolved_devices({"devices": "3"}) == 3
-    assert resolved_devices({"devices": 0}) is None
 
 
 # --- every figure of a dp=2 x tp=2 run on 4 ranks counts 2 replicas --------------------------------------------
