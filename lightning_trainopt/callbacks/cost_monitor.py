@@ -29,21 +29,26 @@ from lightning_trainopt.callbacks._common import (
 from lightning_trainopt.metrics.cost import CostReport, cost_report
 from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
 from lightning_trainopt.metrics.throughput import TrainingWindow
+from lightning_trainopt.parallel.dims import ParallelDims
 
 __all__ = ["CostMonitor"]
 
 _KEY = "callbacks.cost_monitor"
 
 
-def _plus(before: int | None, per_rank: int | None, world_size: int) -> int | None:
-    """Earlier runs' count plus one rank's count of the current run on every rank; unknown if either is."""
-    return None if before is None or per_rank is None else before + per_rank * world_size
+def _plus(before: int | None, per_rank: int | None, replicas: int) -> int | None:
+    """Earlier runs' count plus one rank's count of the current run on every data-parallel replica; unknown if
+    either is."""
+    return None if before is None or per_rank is None else before + per_rank * replicas
 
 
 class CostMonitor(Callback):
     """Dollars of the run from the price per device-hour of the ``hardware`` preset.
 
-    Billed time is wall-clock training time (``on_train_start`` to now) times the world size. A resume adds to the
+    Billed time is wall-clock training time (``on_train_start`` to now) times the world size (every device is paid
+    for); tokens and samples are one rank's counts times the data-parallel size
+    (:class:`~lightning_trainopt.parallel.dims.ParallelDims`), since the ranks of a tensor-parallel group read the
+    same micro-batches. A resume adds to the
     checkpoint's device-hours and tokens, which keep the world size they were run on: only the new run's time is
     billed at the new world size, and the projection (to ``max_steps`` or ``target_tokens``) uses the new run's rate
     and world size only. A new fit (``global_step`` 0, no state restored for it) starts its figures afresh.
@@ -103,6 +108,7 @@ class CostMonitor(Callback):
         # is billed too), its world size and first step.
         self._run = TrainingWindow(self._clock)
         self._devices = 1
+        self._replicas = 1
         self._steps_start = 0
         self._sizer = BatchSizer(
             "CostMonitor", samples_fn, tokens_fn, "its per-token and per-sample figures are left out"
@@ -150,7 +156,8 @@ class CostMonitor(Callback):
         if not restored and trainer.global_step == 0:  # a new run: figures start afresh
             self._hours_before, self._tokens_before, self._samples_before = 0.0, 0, 0
             self._sizer.warned = False
-        self._devices = trainer.world_size
+        dims = ParallelDims.from_trainer(trainer)
+        self._devices, self._replicas = dims.world_size, dims.dp
         self._start_run(trainer.global_step)
         self._report = None
         self._edge.reset(trainer)
@@ -180,13 +187,12 @@ class CostMonitor(Callback):
         self._run.add(count.samples, count.tokens)  # a device token count is read only at logging windows
 
     def _totals(self) -> tuple[float, int | None, int | None]:
-        """Device-hours, tokens and samples so far: earlier runs plus the current one, all devices."""
-        n = self._devices
+        """Device-hours (all devices), tokens and samples (all replicas) so far: earlier runs plus the current one."""
         run = self._run.counts()
         return (
-            self._hours_before + run.seconds / 3600 * n,
-            _plus(self._tokens_before, run.tokens, n),
-            _plus(self._samples_before, run.samples, n),
+            self._hours_before + run.seconds / 3600 * self._devices,
+            _plus(self._tokens_before, run.tokens, self._replicas),
+            _plus(self._samples_before, run.samples, self._replicas),
         )
 
     def _idle_fraction(self, trainer: pl.Trainer) -> float | None:

@@ -18,6 +18,7 @@ from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.memory_accounting import tensor_leaves
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.optim.micro_batch import MicroBatchPlan, divisors, fit_linear_bytes, plan_micro_batch
+from lightning_trainopt.parallel.dims import ParallelDims
 
 __all__ = ["MicroBatchFinder"]
 
@@ -157,7 +158,9 @@ class MicroBatchFinder(Callback):
     """Pick the largest micro-batch that fits, then set accumulation so the global batch stays as configured.
 
     Unlike Lightning's ``BatchSizeFinder`` (which changes the global batch), the global batch
-    ``micro_batch x accumulate_grad_batches x world_size`` is kept; only divisors of the per-device batch are tried.
+    ``micro_batch x accumulate_grad_batches x data-parallel size`` is kept (the data-parallel size is
+    :class:`~lightning_trainopt.parallel.dims.ParallelDims`' ``dp``: the world size without tensor parallelism); only
+    divisors of the per-replica batch are tried.
     At fit start the activation bytes saved for backward are measured at micro-batches 1 and 2 on a real batch
     (``SavedTensorsCounter``) and fitted as ``constant + per_sample x micro``. What is measured is the module's own
     ``training_step`` (forward *and* loss), inside the precision plugin's context (autocast under ``bf16-mixed``),
@@ -289,7 +292,7 @@ class MicroBatchFinder(Callback):
                     "parameters + gradients + optimizer-state bytes per device explicitly.",
                 ) from err
             stage = int(getattr(trainer.strategy, "zero_stage", 0) or 0)
-            world = max(1, trainer.world_size)
+            world = ParallelDims.from_trainer(trainer).dp  # ZeRO partitions over the data-parallel ranks
             module_params = {id(p) for p in params}
             own = [p for g in optimizer.param_groups for p in g["params"]]
             if own and not any(id(p) in module_params for p in own):
@@ -335,7 +338,8 @@ class MicroBatchFinder(Callback):
                 cb.on_fit_start(trainer, pl_module)
         micro0 = int(lightning_getattr(pl_module, self.batch_arg_name) or 0)
         accumulate0 = int(trainer.accumulate_grad_batches)
-        world = max(1, trainer.world_size)
+        # Replicas, not ranks: the ranks of a tensor-parallel group train the same micro-batches.
+        world = ParallelDims.from_trainer(trainer).dp
         global_batch = micro0 * accumulate0 * world
         batch = self._sample_batch(trainer, pl_module)
         per_sample, act_constant = fit_linear_bytes(

@@ -31,7 +31,8 @@ from lightning_trainopt.metrics.flops import SeqFlops, fit_seq_flops, transforme
 from lightning_trainopt.metrics.fp8_flops import fp8_flops_share, fp8_linear_shapes
 from lightning_trainopt.metrics.hardware import HardwareSpec, compute_dtype_key, hardware_spec
 from lightning_trainopt.metrics.model_shape import GPTConfig
-from lightning_trainopt.metrics.throughput import BatchSize, TrainingWindow, WindowCounts
+from lightning_trainopt.metrics.throughput import BatchSize, ThroughputWindow, TrainingWindow, WindowCounts
+from lightning_trainopt.parallel.dims import ParallelDims
 
 __all__ = ["SpeedMonitor"]
 
@@ -93,6 +94,11 @@ class SpeedMonitor(Callback):
     ``log_every_n_steps`` optimizer steps, at ``max_steps`` and at the end of fit, so short runs are measured too.
     Validation inside a window (``val_check_interval``, epoch-end validation) pauses its clock, so the rates are
     training time only; the sanity check runs before the first window opens.
+
+    Counts are one data-parallel replica's (:class:`~lightning_trainopt.parallel.dims.ParallelDims` from the
+    Trainer's strategy): ``*_total`` rates are ``dp`` replicas', never ``world_size`` ranks' (the ranks of a
+    tensor-parallel group read the same micro-batches), and per-device rates, TFLOP/s, MFU and HFU share a
+    replica's work over its ``world_size / dp`` devices.
 
     MFU and HFU are against the dense peak of the run's compute dtype; a mixed or FP8 run (``bf16-mixed`` with FP8
     layers, Lightning's ``transformer-engine``) is measured against the **bf16** dense peak, FP8 layers included, so
@@ -174,7 +180,7 @@ class SpeedMonitor(Callback):
         self._fp8_shapes: tuple[tuple[int, int], ...] = ()
         self._fp8_share: float | None = None
         self._start_step = 0
-        self._world_size = 1
+        self._dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1)
         self._recompute = 0.0
         self._total = WindowCounts()  # the closed windows of this run (warm-up excluded)
         self._window = TrainingWindow(self._clock)  # the open window: time (paused by validation) and counts
@@ -228,7 +234,7 @@ class SpeedMonitor(Callback):
         self._fp8_share = None
         self._edge.reset(trainer)
         self._start_step = trainer.global_step
-        self._world_size = trainer.world_size
+        self._dims = ParallelDims.from_trainer(trainer)
         self._new_fit()
         self._window.reset()
         restored, self._restored = self._restored, None
@@ -367,15 +373,20 @@ class SpeedMonitor(Callback):
             window.reset()
             return
         self._total += counts
-        rates = counts.rates(trainer.world_size, self._peak)
+        rates = self._rates(counts)
         metrics = {f"throughput/{k}": v for k, v in rates.to_dict().items() if v is not None and k != "seconds"}
         if self._fp8_shapes and self._fp8_share is not None:
             metrics["throughput/fp8_flops_share"] = self._fp8_share
         log_metrics(trainer, metrics)
 
+    def _rates(self, counts: WindowCounts) -> ThroughputWindow:
+        # The counts are this rank's, one data-parallel replica's: totals count replicas, not ranks (a
+        # tensor-parallel group's ranks read the same micro-batches).
+        return counts.rates(self._dims.world_size, self._peak, self._dims.dp)
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._world_size = trainer.world_size
+        self._dims = ParallelDims.from_trainer(trainer)
         # The last window may be partial (fewer steps than log_every_n_steps, an epoch-based end): close it so that
         # short runs are measured too.
         self._close_window(trainer, pl_module)
@@ -421,7 +432,7 @@ class SpeedMonitor(Callback):
         }
         if t.seconds > 0:
             counted = t if known else replace(t, model_flops=None, hardware_flops=None)
-            out.update(counted.rates(self._world_size, self._peak).to_dict())
+            out.update(self._rates(counted).to_dict())
             out["flops_per_token"] = t.model_flops / t.tokens if t.model_flops and t.tokens else None
         return {"throughput": json_safe(out)}
 

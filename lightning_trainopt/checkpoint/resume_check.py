@@ -2,38 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from omegaconf import DictConfig
 
 from lightning_trainopt.checkpoint.state import saved_loader_states
 from lightning_trainopt.data.resumable_loader import STATE_VERSION, check_global_batch
 
-__all__ = ["check_resume", "data_parallel_ranks"]
+__all__ = ["check_resume"]
 
 _FINDER = "lightning_trainopt.callbacks.MicroBatchFinder"
 
 
-def data_parallel_ranks(trainer: Any) -> int | None:
-    """The run's data-parallel ranks from the ``trainer`` node (``devices`` x ``num_nodes``); ``None`` if unknown.
-
-    ``devices=auto``/``-1`` count the CUDA devices when the run uses them, else one CPU process.
-    """
-    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
-    if isinstance(devices, (list, tuple)):
-        devices = len(devices)
-    if devices in ("auto", -1, "-1"):
-        on_cpu = str(trainer.get("accelerator", "auto")) == "cpu" or not torch.cuda.is_available()
-        devices = 1 if on_cpu else torch.cuda.device_count()
-    if isinstance(devices, str) and devices.isdigit():
-        devices = int(devices)
-    if not isinstance(devices, int) or isinstance(devices, bool) or not isinstance(nodes, int) or devices < 1:
-        return None
-    return devices * nodes
-
-
-def check_resume(cfg: DictConfig, ckpt_path: str) -> None:
+def check_resume(cfg: DictConfig, ckpt_path: str, data_parallel_size: int | None) -> None:
     """Refuse a resume that the checkpoint's training-loader position cannot continue, before anything is spawned.
 
     A run stopped mid-epoch continues exactly only with the global batch it was read with (micro-batch x
@@ -41,13 +20,19 @@ def check_resume(cfg: DictConfig, ckpt_path: str) -> None:
     the rest (the same data and shuffle) once the data is read. Nothing is checked when the micro-batch is chosen at
     run time (``MicroBatchFinder``) or the ranks are not known from the config.
 
+    Args:
+        cfg: the composed config (``data.batch_size``, ``callbacks``).
+        ckpt_path: the checkpoint to resume.
+        data_parallel_size: the run's data-parallel replicas (``ParallelDims.dp`` from the config); ``None``:
+            unknown, nothing is checked.
+
     Raises:
         ConfigError: mid-epoch with another global batch, naming ``data.batch_size`` and the value that resumes.
     """
     callbacks = cfg.get("callbacks") or {}
     if any(str((node or {}).get("_target_", "")) == _FINDER for node in callbacks.values()):
         return
-    ranks = data_parallel_ranks(cfg.trainer)
+    ranks = data_parallel_size
     batch = cfg.data.get("batch_size")
     if ranks is None or not isinstance(batch, int):
         return

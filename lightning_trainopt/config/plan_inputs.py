@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_trainopt.config.parallel_dims import parallel_dims_of
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
 from lightning_trainopt.models.config import GPTConfig
@@ -371,6 +372,7 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
     micro = _positive("data.batch_size", cfg.data.batch_size, "use a positive micro-batch size per device.")
     seq_len = _positive("data.seq_len", cfg.data.seq_len, "use a positive sequence length.")
     spec = parse_strategy(cfg.get("strategy"))
+    dims = parallel_dims_of(devices, nodes, cfg.get("strategy"))
     layout = layout_of(spec, devices * nodes)
     optimizer = optimizer_from_cfg(cfg.optimizer)
     trainer_precision = str(cfg.precision.trainer_precision)
@@ -393,7 +395,7 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
 
         user_json = dict(spec.config)
         check_json_precision(user_json, trainer_precision)
-        accumulate = json_accumulation(user_json, micro, devices * nodes, accumulate)
+        accumulate = json_accumulation(user_json, micro, dims.dp, accumulate)
     from lightning_trainopt.config.plan_precision import attention_kind, loss_plan, precision_plan
 
     return PlanInputs(
@@ -407,6 +409,7 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         accumulate=accumulate,
         devices=devices,
         num_nodes=nodes,
+        tensor_parallel=dims.tp,
         attention=attention_kind(cfg),
         precision=precision_plan(cfg, cfg.precision, on_cuda),
         loss=loss_plan(cfg.get("loss")),

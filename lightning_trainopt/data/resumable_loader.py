@@ -42,7 +42,9 @@ class ResumableDataLoader(DataLoader):
         batch_size: micro-batch per rank.
         shuffle: a new permutation every epoch (else the dataset's order).
         seed: shuffle seed (the epoch is added to it).
-        num_replicas: data-parallel ranks (under Lightning: ``trainer.distributed_sampler_kwargs``).
+        num_replicas: data-parallel replicas (under Lightning: ``trainer.distributed_sampler_kwargs``, which
+            ``ParallelDims.from_trainer`` checks against the strategy's layout; the ranks of one tensor-parallel group
+            share a replica's rank and read the same samples).
         rank: this process's data-parallel rank.
         data_options: the options that define the dataset and its order, ``{name: value}``; saved with the
             position and compared on resume.

@@ -31,7 +31,7 @@ class ResumableSampler(DistributedSampler):
 
     Args:
         dataset: the map-style dataset, with a length (only the length is read).
-        num_replicas: data-parallel ranks.
+        num_replicas: data-parallel replicas (``ParallelDims.dp``).
         rank: this process's data-parallel rank.
         shuffle: permute each epoch (else the dataset's own order).
         seed: seed of the permutation (the epoch is added to it).

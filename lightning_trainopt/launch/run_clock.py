@@ -10,6 +10,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_trainopt.metrics.throughput import TrainingWindow
+from lightning_trainopt.parallel.dims import ParallelDims
 
 __all__ = ["RunClock"]
 
@@ -28,6 +29,8 @@ class RunClock(pl.Callback):
 
     The accounting is :class:`~lightning_trainopt.metrics.throughput.TrainingWindow`'s, opened at the start of training
     and paused for validation; shapes are read on the host, so nothing here synchronises the device per step.
+    The run's :class:`ParallelDims` are read from the Trainer when training starts (:attr:`dims`), which also checks
+    the strategy's sampler sharding against its layout before the first step.
 
     Args:
         clock: seconds since an arbitrary origin (default ``time.perf_counter``; tests inject a fake).
@@ -35,6 +38,8 @@ class RunClock(pl.Callback):
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.last_val_step: int | None = None
+        #: The run's parallel layout, read at the start of training (``None`` before).
+        self.dims: ParallelDims | None = None
         self._window = TrainingWindow(clock) if clock is not None else TrainingWindow()
 
     @property
@@ -49,6 +54,7 @@ class RunClock(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dims = ParallelDims.from_trainer(trainer)
         self._window.start()
         self._window.resume()
 

@@ -29,12 +29,14 @@ from lightning_trainopt.config.model_factory import (
     model_name,
     model_vocab_size,
 )
+from lightning_trainopt.config.parallel_dims import parallel_dims_from_cfg
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.models import LitGPT
+from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
 from lightning_trainopt.precision import trainer_precision_kwargs
 
@@ -179,13 +181,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     for advice in preflight(cfg):
         log.warning(advice)
+    # The ranks' split into replicas is validated here, before anything is spawned (the Trainer's strategy is
+    # checked against it again once it has set up: ParallelDims.from_trainer).
+    dims = parallel_dims_from_cfg(cfg)
 
     run_dir = output_dir(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
     if ckpt_path is not None:
         from lightning_trainopt.checkpoint.resume_check import check_resume
 
-        check_resume(cfg, ckpt_path)
+        check_resume(cfg, ckpt_path, dims.dp if dims is not None else None)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     precision = instantiate(cfg.precision)
@@ -353,12 +358,13 @@ def _collect_metrics(
     strategy_info: dict[str, Any],
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
-    world = trainer.world_size
-    tokens_this_run = clock.local_tokens * world
+    dims = clock.dims or ParallelDims.from_trainer(trainer)  # as read when training started, if it did
+    # One rank's tokens count once per data-parallel replica: a tensor-parallel group's ranks read the same batches.
+    tokens_this_run = clock.local_tokens * dims.dp
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
     micro = _micro_batch(cfg, getattr(trainer, "datamodule", None))
     seq_len = cfg.data.get("seq_len") or getattr(getattr(trainer, "datamodule", None), "seq_len", None)
-    per_step = micro * trainer.accumulate_grad_batches * world if micro is not None else None
+    per_step = micro * trainer.accumulate_grad_batches * dims.dp if micro is not None else None
     metrics: dict[str, Any] = {
         **outcome,
         "model": name,
@@ -366,7 +372,9 @@ def _collect_metrics(
         **strategy_info,
         "precision": precision.name,
         "trainer_precision": precision.trainer_precision,
-        "world_size": world,
+        "world_size": dims.world_size,
+        "data_parallel_size": dims.dp,
+        "parallel_dims": dims.to_dict(),
         "devices": trainer.num_devices,
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
         "micro_batch_size": micro,

@@ -77,7 +77,7 @@ def batch_size_of(batch: Any, mask_tokens: bool = True) -> BatchSize:
 
 @dataclass(frozen=True)
 class ThroughputWindow:
-    """Rates over a window of micro-batches on one device, and the whole job (``world_size`` devices).
+    """Rates over a window of micro-batches per device, and of the whole job (``*_total``: all data-parallel replicas).
 
     A rate is ``None`` when its count is unknown (a batch the callback could not size, FLOPs it could not count).
     """
@@ -103,31 +103,41 @@ def throughput(
     model_flops: int | None = None,
     hardware_flops: int | None = None,
     peak_flops: float | None = None,
+    data_parallel_size: int | None = None,
 ) -> ThroughputWindow:
-    """Rates of one device over ``seconds`` in which it processed ``samples``/``tokens`` and ``*_flops``.
+    """Rates over ``seconds`` in which one data-parallel rank processed ``samples``/``tokens`` and ``*_flops``.
 
-    Totals assume every rank runs the same number of micro-batches in the window (data parallelism).
-    MFU = model FLOP/s / peak; HFU counts recomputation too. Both are ``None`` without a peak. Unknown counts
-    (``None``) give ``None`` rates.
+    The counts are one replica's (its micro-batches, whose model FLOPs the ``world_size / data_parallel_size``
+    devices of the replica share: tensor parallelism). Totals are ``data_parallel_size`` replicas'; per-device rates
+    (``samples_per_s``, ``tokens_per_s``, TFLOP/s, MFU, HFU) are the totals over ``world_size`` devices, which is one
+    rank's counts when every rank is a replica (``data_parallel_size`` ``None``: the world size). Totals assume every
+    replica runs the same number of micro-batches in the window. MFU = model FLOP/s per device / peak; HFU counts
+    recomputation too. Both are ``None`` without a peak. Unknown counts (``None``) give ``None`` rates.
 
     Raises:
-        ValueError: ``seconds`` is not positive.
+        ValueError: ``seconds`` is not positive, or ``data_parallel_size`` does not divide ``world_size``.
     """
     if not seconds > 0:
         raise ValueError(f"a throughput window needs a positive duration, got {seconds}")
-    tflops = None if model_flops is None else model_flops / seconds / 1e12
-    mfu = None if model_flops is None or not peak_flops else model_flops / seconds / peak_flops
+    dp = world_size if data_parallel_size is None else data_parallel_size
+    if dp < 1 or world_size % dp:
+        raise ValueError(f"data_parallel_size={data_parallel_size} must be a positive divisor of {world_size=}")
+    share = world_size // dp  # devices per replica: each holds 1/share of the replica's work
+
+    def per_device(count: int | None) -> float | None:
+        return None if count is None else count / share / seconds
+
     hfu_flops = hardware_flops if hardware_flops is not None else model_flops
-    hfu = None if hfu_flops is None or not peak_flops else hfu_flops / seconds / peak_flops
+    model_rate, hardware_rate = per_device(model_flops), per_device(hfu_flops)
     return ThroughputWindow(
         seconds=seconds,
-        samples_per_s=None if samples is None else samples / seconds,
-        tokens_per_s=None if tokens is None else tokens / seconds,
-        samples_per_s_total=None if samples is None else samples * world_size / seconds,
-        tokens_per_s_total=None if tokens is None else tokens * world_size / seconds,
-        tflops_per_s=tflops,
-        mfu=mfu,
-        hfu=hfu,
+        samples_per_s=per_device(samples),
+        tokens_per_s=per_device(tokens),
+        samples_per_s_total=None if samples is None else samples * dp / seconds,
+        tokens_per_s_total=None if tokens is None else tokens * dp / seconds,
+        tflops_per_s=None if model_rate is None else model_rate / 1e12,
+        mfu=None if model_rate is None or not peak_flops else model_rate / peak_flops,
+        hfu=None if hardware_rate is None or not peak_flops else hardware_rate / peak_flops,
     )
 
 
@@ -160,10 +170,19 @@ class WindowCounts:
             _plus(self.hardware_flops, other.hardware_flops),
         )
 
-    def rates(self, world_size: int = 1, peak_flops: float | None = None) -> ThroughputWindow:
-        """:func:`throughput` of these counts (``seconds`` must be positive)."""
+    def rates(
+        self, world_size: int = 1, peak_flops: float | None = None, data_parallel_size: int | None = None
+    ) -> ThroughputWindow:
+        """:func:`throughput` of these counts (``seconds`` must be positive; they are one data-parallel rank's)."""
         return throughput(
-            self.seconds, self.samples, self.tokens, world_size, self.model_flops, self.hardware_flops, peak_flops
+            self.seconds,
+            self.samples,
+            self.tokens,
+            world_size,
+            self.model_flops,
+            self.hardware_flops,
+            peak_flops,
+            data_parallel_size,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
 from lightning_trainopt.planner.model_profile import ModelProfile, gpt_param_groups, gpt_profile
@@ -34,6 +34,8 @@ class PlanInputs:
         accumulate: gradient accumulation steps.
         devices: devices per node.
         num_nodes: nodes.
+        tensor_parallel: devices of one tensor-parallel group (``ParallelDims.tp``); the planner models data
+            parallelism only, so anything but 1 is refused until tensor-parallel memory and time are modelled.
         attention: ``sdpa`` or ``math``.
         adam_path: how torch Adam/AdamW runs its step (``fused``, ``foreach``, ``single_tensor``; see
             ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
@@ -51,6 +53,7 @@ class PlanInputs:
     accumulate: int = 1
     devices: int = 1
     num_nodes: int = 1
+    tensor_parallel: int = 1
     attention: str = "sdpa"
     adam_path: str = "fused"
     precision: PrecisionPlan | None = None
@@ -63,10 +66,24 @@ class PlanInputs:
             raise ConfigError("trainer.num_nodes", self.num_nodes, "use a positive node count.")
         if self.accumulate < 1:
             raise ConfigError("trainer.accumulate_grad_batches", self.accumulate, "use a positive integer.")
+        if self.tensor_parallel != 1:
+            raise IncompatibleConfigError(
+                {"strategy.tensor_parallel_size": self.tensor_parallel},
+                "the planner models data parallelism only (every device a replica, or a ZeRO/FSDP shard of one); "
+                "the per-device bytes and time of tensor parallelism are not modelled yet.",
+                "plan with tensor_parallel_size=1 (the same global batch over data-parallel devices).",
+            )
 
     @property
     def world_size(self) -> int:
+        """Devices of the job (``devices`` x ``num_nodes``): what is billed."""
         return self.devices * self.num_nodes
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that read distinct samples (``world_size / tensor_parallel``): the global batch is
+        ``micro_batch`` x ``accumulate`` x this, and ZeRO/FSDP shard over it."""
+        return self.world_size // self.tensor_parallel
 
     @property
     def profile(self) -> ModelProfile:
@@ -224,7 +241,7 @@ def estimate_plan(
         inputs.trainer_precision,
         inputs.layout,
         inputs.optimizer,
-        inputs.world_size,
+        inputs.data_parallel_size,
         accumulate=inputs.accumulate,
         adam_path=inputs.adam_path,
         module_trace=m.module_trace,

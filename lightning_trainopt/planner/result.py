@@ -137,6 +137,7 @@ def estimate_dict(e: PlanEstimate) -> dict[str, Any]:
     return {
         "n_params": e.inputs.profile.n_params,
         "world_size": e.inputs.world_size,
+        "data_parallel_size": e.inputs.data_parallel_size,
         "micro_batch": e.inputs.micro_batch,
         "seq_len": e.inputs.seq_len,
         "per_device_bytes": mem.per_device(),

@@ -183,8 +183,9 @@ def _check_micro_batches(micro_batches: tuple[int, ...], base: PlanInputs) -> No
         raise ConfigError(
             key,
             given,
-            f"the search holds the global batch of {per_device * base.world_size} sequences (data.batch_size "
-            f"{base.micro_batch} x trainer.accumulate_grad_batches {base.accumulate} x {base.world_size} devices) and "
+            f"the search holds the global batch of {per_device * base.data_parallel_size} sequences (data.batch_size "
+            f"{base.micro_batch} x trainer.accumulate_grad_batches {base.accumulate} x {base.data_parallel_size} "
+            "data-parallel devices) and "
             f"none of these divides the {per_device} per device; use divisors of {per_device}: {divisors}.",
         )
 
@@ -211,7 +212,7 @@ def search_plans(
         (fitting candidates ranked best first, every micro-batch of a configuration its own candidate; number
         enumerated). :func:`best_per_configuration` keeps each configuration's best micro-batch.
     """
-    global_seqs = base.micro_batch * base.accumulate * base.world_size
+    global_seqs = base.micro_batch * base.accumulate * base.data_parallel_size
     _check_micro_batches(space.micro_batches, base)
     out: list[Candidate] = []
     n = 0
@@ -226,7 +227,7 @@ def search_plans(
         losses.items(),
         space.micro_batches,
     ):
-        if global_seqs % (mb * base.world_size):
+        if global_seqs % (mb * base.data_parallel_size):
             continue
         if lay.kind == "ddp" and base.world_size == 1:
             continue
@@ -240,7 +241,7 @@ def search_plans(
             activations=act,
             optimizer=opt,
             micro_batch=mb,
-            accumulate=global_seqs // (mb * base.world_size),
+            accumulate=global_seqs // (mb * base.data_parallel_size),
             precision=space.precision_plans.get(pn),
             loss=loss,
         )

@@ -24,6 +24,8 @@ SCHEMA = {
     "zero_stage": (int, type(None)),
     "precision": str,
     "world_size": int,
+    "data_parallel_size": int,
+    "parallel_dims": dict,
     "devices": int,
     "global_step": int,
     "train_loss": float,

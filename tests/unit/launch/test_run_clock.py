@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from lightning_trainopt.launch.run_clock import RunClock
+from lightning_trainopt.parallel.dims import ParallelDims
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
 
@@ -30,5 +31,6 @@ def test_training_seconds_leave_validation_out_and_tokens_count_every_batch():
     assert run.train_seconds == 6.0
     assert run.local_tokens == 6 * 4 * 16
     assert run.last_val_step == 6
+    assert run.dims == ParallelDims(dp_replicate=1, dp_shard=1, tp=1, world_size=1)
     trainer.validate(tiny_module(), tiny_data(batch_size=4, seq_len=16))  # after fit: not training time either
     assert run.train_seconds == 6.0

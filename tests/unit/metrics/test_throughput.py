@@ -40,6 +40,16 @@ def test_rates_and_mfu_exact():
     assert w.hfu == 4.0
 
 
+def test_counts_of_one_replica_shared_by_its_tensor_parallel_devices():
+    # 2 replicas of 2 devices: one replica's 1000 tokens and 8e12 FLOPs in 2 s.
+    r = throughput(2.0, 4, 1000, world_size=4, model_flops=8 * 10**12, peak_flops=1e12, data_parallel_size=2)
+    assert (r.tokens_per_s_total, r.samples_per_s_total) == (1000.0, 4.0)  # x 2 replicas, not x 4 ranks
+    assert (r.tokens_per_s, r.samples_per_s) == (250.0, 1.0)  # all replicas' rate over 4 devices
+    assert (r.tflops_per_s, r.mfu, r.hfu) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError, match="data_parallel_size=3 must be a positive divisor of world_size=4"):
+        throughput(2.0, 4, 1000, world_size=4, data_parallel_size=3)
+
+
 def test_no_peak_means_no_mfu():
     w = throughput(1.0, 1, 10, model_flops=10)
     assert w.mfu is None
