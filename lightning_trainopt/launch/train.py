@@ -90,7 +90,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int | None, n_params: int) -> Any:
     if cfg.get("strategy") is None:
         return "auto"
-    from lightning_trainopt.parallel import build_strategy
+    from lightning_trainopt.config.strategy import build_strategy
 
     return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size, n_params=n_params)
 
@@ -183,9 +183,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_dir = output_dir(cfg)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
     if ckpt_path is not None:
-        from lightning_trainopt.checkpoint.resume_check import check_resume
+        from lightning_trainopt.config.resume import check_resume_from_cfg
 
-        check_resume(cfg, ckpt_path)
+        check_resume_from_cfg(cfg, ckpt_path)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
 
     precision = instantiate(cfg.precision)
