@@ -266,7 +266,7 @@ def check_compatible(
     node = _plain(precision) or {}
     backend = node.get("backend")
     p = PreflightInput(
-        strategy=_plain(strategy) or None,
+        strategy=strategy_spec(strategy),
         precision=trainer_precision,
         optimizer_target=optimizer_target,
         accelerator="gpu" if on_cuda else "cpu",

@@ -147,6 +147,11 @@ class StrategySpec(StrategyQuestions):
         return self if self.zero is None else replace(self, zero=self.zero.with_buckets_for(n_params))
 
     @property
+    def package(self) -> str | None:
+        """The optional package (and pip extra) the strategy needs: ``deepspeed``, else ``None``."""
+        return "deepspeed" if self.kind == "deepspeed" else None
+
+    @property
     def chosen(self) -> bool:
         """The run names a strategy (``+strategy=...``); without one, Lightning picks."""
         return self.kind != "none"

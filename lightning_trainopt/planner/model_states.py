@@ -69,7 +69,7 @@ ModuleTrace = tuple[tuple[tuple[int, int], ...], ...]
 def param_dtype_bytes(trainer_precision: str, layout: StrategyLayout) -> tuple[int, int]:
     """(weight bytes, gradient bytes) per element as the strategy stores the model's own parameters."""
     half = trainer_precision.startswith(("bf16", "16")) or trainer_precision == "transformer-engine"
-    if layout.engine_casts_model:
+    if layout.wraps_in_engine:
         # Lightning hands DeepSpeed `bf16`/`fp16` enabled for both -mixed and -true: the engine casts the module.
         return (2, 2) if half else (4, 4)
     if trainer_precision.endswith("-true") and half:

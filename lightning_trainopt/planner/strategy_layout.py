@@ -87,6 +87,11 @@ class StrategyQuestions:
         return self.offload_params != "none"
 
     @property
+    def offloads_to_nvme(self) -> bool:
+        """Optimizer states or parameters swap to NVMe (ZeRO-Infinity)."""
+        return "nvme" in (self.offload_optimizer, self.offload_params)
+
+    @property
     def flat_partitions(self) -> bool:
         """The engine flattens the parameters of each group into one buffer and partitions that (DeepSpeed ZeRO);
         FSDP2 shards each parameter instead (:attr:`shards_each_param`)."""
@@ -103,9 +108,10 @@ class StrategyQuestions:
         return self.kind == "ddp"
 
     @property
-    def engine_casts_model(self) -> bool:
-        """Lightning hands the strategy's engine a half-precision module for ``-mixed`` as for ``-true`` and
-        nothing autocasts (DeepSpeed); the engine also owns loss scaling, accumulation and the optimizer's step."""
+    def wraps_in_engine(self) -> bool:
+        """The model is handed to an engine (DeepSpeed) that owns its training step: Lightning gives it a
+        half-precision module for ``-mixed`` as for ``-true`` (nothing autocasts), and the engine scales the loss,
+        fixes gradient accumulation at start-up and steps the optimizer."""
         return self.kind == "deepspeed"
 
     @property
@@ -116,7 +122,7 @@ class StrategyQuestions:
     @property
     def steps_cpu_adam(self) -> bool:
         """The optimizer steps on the CPU in DeepSpeed's CPU Adam (ZeRO-Offload), not the client optimizer."""
-        return self.engine_casts_model and self.offloads_optimizer
+        return self.wraps_in_engine and self.offloads_optimizer
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,9 @@ def test_no_ticket_references_on_the_screen_or_in_the_planning_docs(planned):
         screen = _screen(result)
         assert not TICKET.search(screen), (name, TICKET.search(screen))
         assert not TICKET.search(str(result.to_dict())), name
-    for path in [REPO_ROOT / "docs" / "planning.md", *sorted(Path(REPO_ROOT / "lightning_trainopt" / "conf").rglob("*.yaml"))]:
+    for path in [
+        REPO_ROOT / "docs" / "planning.md",
+        *sorted(Path(REPO_ROOT / "lightning_trainopt" / "conf").rglob("*.yaml")),
+    ]:
         found = [line for line in path.read_text().splitlines() if TICKET.search(line)]
         assert not found, (path, found)
