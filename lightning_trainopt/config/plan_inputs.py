@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -387,7 +388,7 @@ def search_space_from_cfg(
     for n in space["strategy"]:
         layout = strategy_layout(load_preset(conf_dir, "strategy", str(n)), world_size)
         if layout.ddp_buckets and world_size == 1:
-            strategies[NO_STRATEGY] = StrategyLayout(name=NO_STRATEGY, kind="single")
+            strategies[NO_STRATEGY] = replace(strategy_spec(None).layout(1), name=NO_STRATEGY)
         else:
             strategies[str(n)] = layout
     activations = {

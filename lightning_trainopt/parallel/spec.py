@@ -1,8 +1,18 @@
 """What a strategy node means, worked out once: :class:`StrategySpec`, from a preset node or a DeepSpeed JSON.
 
 A ``conf/strategy`` node (its ``_target_`` and keyword arguments, with the user's overrides) or a DeepSpeed JSON
-(``strategy.config``) is read here and nowhere else: the builder, the strategies, the pre-flight checks and the
-planner all take a :class:`StrategySpec`. What a node leaves out gets the default of whoever applies it:
+(``strategy.config``) is read here and nowhere else (``config/strategy.py`` hands it over as plain values): the
+builder, the strategies, the pre-flight checks, the callbacks and the planner all take a :class:`StrategySpec`, and
+ask it what the strategy does (``spec.shards_params``, ``spec.offloads_optimizer``; the questions of
+:class:`~lightning_trainopt.planner.strategy_layout.StrategyQuestions`) instead of testing its kind.
+
+Why the spec lives here and the planner reads a view of it: telling a strategy's kind means importing Lightning's
+strategy classes, which the pure planner (a lower layer) may not do, while the planner's figures need the spec on a
+given world size (no ``+strategy`` is one device or DDP). So the spec stays in ``parallel/`` beside the code that
+builds strategies, its questions are defined once in the pure ``planner/strategy_layout.py`` (inherited by both), and
+:meth:`StrategySpec.layout` is the one function that makes the planner's
+:class:`~lightning_trainopt.planner.strategy_layout.StrategyLayout`. ``ZeroSpec`` is not a second description: it is
+the DeepSpeed part of a spec (its ``zero`` field). What a node leaves out gets the default of whoever applies it:
 
 * a keyword argument, the default in the signature of the ``_target_`` class (Lightning's ``DeepSpeedStrategy``,
   ``TrainOptDeepSpeedStrategy``, ``TrainOptFSDPStrategy``, ...), read with :func:`class_defaults`;
