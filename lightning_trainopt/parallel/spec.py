@@ -188,6 +188,8 @@ class StrategySpec(StrategyQuestions):
                 kind="fsdp",
                 offload_params=self.offload_params,
                 offload_optimizer=self.offload_optimizer,
+                # FSDP1's class has no such argument (None): it reshards after forward, as FSDP2's default does.
+                reshard_after_forward=self.reshard_after_forward is not False,
             )
         if self.kind != "deepspeed" or self.zero is None:
             raise ConfigError(

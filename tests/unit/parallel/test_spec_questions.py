@@ -165,3 +165,11 @@ def test_the_spec_and_the_layout_share_one_definition_of_each_question():
     for question in QUESTIONS:
         assert getattr(StrategySpec, question) is getattr(StrategyQuestions, question)
         assert getattr(StrategyLayout, question) is getattr(StrategyQuestions, question)
+
+
+def test_the_layout_plans_what_fsdp_reshards_after_forward(tmp_path):
+    assert parse_strategy(_preset("fsdp")).layout(2).reshard_after_forward is True
+    kept = parse_strategy({**_preset("fsdp"), "reshard_after_forward": False}).layout(2)
+    assert kept.reshard_after_forward is False
+    fsdp1 = parse_strategy({"_target_": "lightning.pytorch.strategies.FSDPStrategy", "name": "fsdp1"})
+    assert fsdp1.layout(2).reshard_after_forward is True
