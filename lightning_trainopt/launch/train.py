@@ -29,6 +29,7 @@ from lightning_trainopt.config.model_factory import (
     model_name,
     model_vocab_size,
 )
+from lightning_trainopt.config.run_spec import run_spec
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
@@ -179,16 +180,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     for advice in preflight(cfg):
         log.warning(advice)
+    run = run_spec(cfg)
 
     run_dir = output_dir(cfg)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
+    ckpt_path = resolve_ckpt_path(run.checkpointing.ckpt_path, run_dir)
     if ckpt_path is not None:
         from lightning_trainopt.config.resume import check_resume_from_cfg
 
         check_resume_from_cfg(cfg, ckpt_path)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    pl.seed_everything(run.launch.seed, workers=True, verbose=False)
 
-    precision = instantiate(cfg.precision)
+    precision = run.precision
     datamodule = instantiate(cfg.data)
     if hasattr(datamodule, "check_source"):
         datamodule.check_source()
@@ -246,7 +248,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         info = _strategy_info(trainer, cfg)
         _final_validation(trainer, module, datamodule, clock)
     except torch.OutOfMemoryError:
-        if not cfg.get("continue_on_oom", False):
+        if not run.launch.continue_on_oom:
             raise
         oom = True
         log.error("out of memory; recorded as status=oom (continue_on_oom=true)")
