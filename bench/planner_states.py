@@ -113,9 +113,9 @@ def measure(strategy: str, precision: str, out: str, model_name: str = MODEL) ->
     import lightning.pytorch as pl
     from omegaconf import OmegaConf
 
+    from lightning_trainopt.config.strategy import build_strategy
     from lightning_trainopt.metrics.memory_accounting import memory_breakdown
     from lightning_trainopt.models import GPTConfig, LitGPT
-    from lightning_trainopt.parallel import build_strategy
     from lightning_trainopt.precision import PrecisionSpec
     from lightning_trainopt.precision.plugins import trainer_precision_kwargs
 

@@ -114,9 +114,9 @@ def _fit_one(args: argparse.Namespace, preset: str, save_to: str | None) -> dict
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from omegaconf import OmegaConf
 
+    from lightning_trainopt.config.strategy import build_strategy
     from lightning_trainopt.data.datamodule import TextDataModule
     from lightning_trainopt.models import GPTConfig, LitGPT
-    from lightning_trainopt.parallel import build_strategy
     from lightning_trainopt.parallel.report import StrategyReport
     from lightning_trainopt.precision import PrecisionSpec
 

@@ -19,6 +19,7 @@ from lightning_trainopt.metrics.memory_accounting import tensor_leaves
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.optim.micro_batch import MicroBatchPlan, divisors, fit_linear_bytes, plan_micro_batch
 from lightning_trainopt.parallel.dims import ParallelDims
+from lightning_trainopt.parallel.spec import spec_of
 
 __all__ = ["MicroBatchFinder"]
 
@@ -291,7 +292,7 @@ class MicroBatchFinder(Callback):
                     f"could not measure the state of {type(optimizer).__name__} by a probe step ({err}); give "
                     "parameters + gradients + optimizer-state bytes per device explicitly.",
                 ) from err
-            stage = int(getattr(trainer.strategy, "zero_stage", 0) or 0)
+            zero = spec_of(trainer.strategy)
             world = ParallelDims.from_trainer(trainer).dp  # ZeRO partitions over the data-parallel ranks
             module_params = {id(p) for p in params}
             own = [p for g in optimizer.param_groups for p in g["params"]]
@@ -299,12 +300,14 @@ class MicroBatchFinder(Callback):
                 # DeepSpeed ZeRO-1/2 hands the wrapped optimizer this rank's flat fp32 master partitions: the probe
                 # already measured a per-rank share, and the masters themselves are optimizer state.
                 state += _tensor_bytes(own)
-            elif stage >= 1:
+            elif zero.flat_partitions:
                 state //= world
             # ZeRO shards gradients from stage 2 across the data-parallel ranks. Under ZeRO-3 the bytes were read from
             # the parameters' own partitions (``ds_tensor``), already one rank's share: divide only what is whole.
             partitioned = any(hasattr(p, "ds_tensor") for p in params)
-            grad_bytes = grad_bytes // world if stage >= 2 and not partitioned else grad_bytes
+            grad_bytes = (
+                grad_bytes // world if zero.flat_partitions and zero.shards_grads and not partitioned else grad_bytes
+            )
         return param_bytes + grad_bytes + state
 
     def _trial(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, micro: int) -> bool:

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import check_log_every, log_interval, log_metrics
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.parallel.spec import spec_of
 
 __all__ = ["NonFiniteGuard"]
 
@@ -161,7 +162,7 @@ class NonFiniteGuard(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.policy == "skip" and type(trainer.strategy).__name__.startswith("DeepSpeed"):
+        if stage == "fit" and self.policy == "skip" and spec_of(trainer.strategy).wraps_in_engine:
             raise IncompatibleConfigError(
                 {"callbacks.non_finite_guard.policy": "skip", "strategy": type(trainer.strategy).__name__},
                 "DeepSpeed keeps gradients in its own partitions, so the guard cannot drop them to skip a step.",

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from lightning_trainopt.checkpoint.state import saved_loader_states
 from lightning_trainopt.data.resumable_loader import STATE_VERSION, check_global_batch
 
 __all__ = ["check_resume"]
 
-_FINDER = "lightning_trainopt.callbacks.MicroBatchFinder"
 
-
-def check_resume(cfg: DictConfig, ckpt_path: str, data_parallel_size: int | None) -> None:
+def check_resume(ckpt_path: str, batch_size: int | None, ranks: int | None) -> None:
     """Refuse a resume that the checkpoint's training-loader position cannot continue, before anything is spawned.
 
     A run stopped mid-epoch continues exactly only with the global batch it was read with (micro-batch x
     data-parallel ranks; :func:`~lightning_trainopt.data.resumable_loader.check_global_batch`). The loader checks
-    the rest (the same data and shuffle) once the data is read. Nothing is checked when the micro-batch is chosen at
-    run time (``MicroBatchFinder``) or the ranks are not known from the config.
+    the rest (the same data and shuffle) once the data is read. The values are read from the config in
+    ``config/resume.py``.
+
+    Args:
+        ckpt_path: the checkpoint to resume from.
+        batch_size: ``data.batch_size``; ``None`` when the micro-batch is chosen at run time (``MicroBatchFinder``):
+            nothing is checked then.
+        ranks: the data-parallel size (``ParallelDims.dp``); ``None`` when not known from the config:
+            nothing is checked then.
 
     Args:
         cfg: the composed config (``data.batch_size``, ``callbacks``).
@@ -29,13 +32,8 @@ def check_resume(cfg: DictConfig, ckpt_path: str, data_parallel_size: int | None
     Raises:
         ConfigError: mid-epoch with another global batch, naming ``data.batch_size`` and the value that resumes.
     """
-    callbacks = cfg.get("callbacks") or {}
-    if any(str((node or {}).get("_target_", "")) == _FINDER for node in callbacks.values()):
-        return
-    ranks = data_parallel_size
-    batch = cfg.data.get("batch_size")
-    if ranks is None or not isinstance(batch, int):
+    if ranks is None or not isinstance(batch_size, int):
         return
     for state in saved_loader_states(ckpt_path):
         if state.get("version") == STATE_VERSION:
-            check_global_batch(state, batch, ranks, "data")
+            check_global_batch(state, batch_size, ranks, "data")

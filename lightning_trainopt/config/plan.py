@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_trainopt.config.plan_command import override_keys, plan_choices, train_command
 from lightning_trainopt.config.plan_inputs import (
     NO_STRATEGY,
     build_plan_inputs,
@@ -38,12 +39,7 @@ from lightning_trainopt.planner import (
     textbook_model_state_bytes,
 )
 from lightning_trainopt.planner.offload_time import Bandwidths
-from lightning_trainopt.planner.report import (
-    override_keys,
-    plan_choices,
-    seq_len_note,
-    train_command,
-)
+from lightning_trainopt.planner.report import seq_len_note
 from lightning_trainopt.planner.result import DEFAULT_HFU, PlanResult
 from lightning_trainopt.planner.search import best_per_configuration, simplicity
 
@@ -144,7 +140,7 @@ def _adam_path(cfg: DictConfig, on_cuda: bool) -> Callable[[PlanInputs], str]:
             return "foreach" if foreach else "single_tensor"
         if not on_cuda:
             return "single_tensor"
-        if fused is False or inputs.layout.kind == "deepspeed":
+        if fused is False or inputs.layout.flat_partitions:
             return "foreach"  # torch's CUDA default when the fused kernel is not asked for
         return "foreach" if inputs.trainer_precision == "16-mixed" and clip else "fused"
 

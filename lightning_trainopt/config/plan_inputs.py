@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.config.parallel_dims import parallel_dims_of
+from lightning_trainopt.config.strategy import strategy_spec
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
 from lightning_trainopt.models.config import GPTConfig
-from lightning_trainopt.parallel.spec import AUTO, StrategySpec, parse_strategy
 from lightning_trainopt.planner import (
     ActivationPolicy,
     LossPlan,
@@ -33,7 +34,6 @@ __all__ = [
     "deepspeed_user_config",
     "hardware_from_cfg",
     "json_accumulation",
-    "layout_of",
     "load_preset",
     "model_of",
     "optimizer_from_cfg",
@@ -70,7 +70,7 @@ def deepspeed_user_config(node: Any) -> dict[str, Any] | None:
     Raises:
         ConfigError: ``strategy.config`` is missing (``???``), not a readable JSON object, or neither path nor mapping.
     """
-    config = parse_strategy(node).config
+    config = strategy_spec(node).config
     return None if config is None else copy.deepcopy(dict(config))
 
 
@@ -85,61 +85,7 @@ def strategy_layout(node: Any, world_size: int) -> StrategyLayout:
     Raises:
         ConfigError: a strategy the planner does not model, or a bad value in the strategy node or its JSON.
     """
-    return layout_of(parse_strategy(node), world_size)
-
-
-def layout_of(spec: StrategySpec, world_size: int) -> StrategyLayout:
-    """The planner's :class:`StrategyLayout` of a :class:`StrategySpec` on ``world_size`` devices.
-
-    Raises:
-        ConfigError: ZeRO stage 0, a partial optimizer offload (``ratio``), or a kind the planner does not model.
-    """
-    if spec.kind == "none":
-        return StrategyLayout(name="ddp" if world_size > 1 else "single", kind="ddp" if world_size > 1 else "single")
-    if spec.kind == "ddp":
-        return StrategyLayout(name=spec.name, kind="ddp")
-    if spec.kind == "fsdp":
-        return StrategyLayout(
-            name=spec.name, kind="fsdp", offload_params=spec.offload_params, offload_optimizer=spec.offload_optimizer
-        )
-    if spec.kind != "deepspeed" or spec.zero is None:
-        raise ConfigError(
-            "strategy._target_", spec.target, "the planner models ddp, zero1/2/3 (+offload, infinity) and fsdp."
-        )
-    zero = spec.zero
-    if zero.stage == 0:
-        where = "in the JSON" if spec.from_json else "with strategy.stage=1, 2 or 3"
-        raise ConfigError(
-            spec.key("stage"), 0, f"the planner models ZeRO stages 1, 2 and 3 (0 is no ZeRO); set the stage {where}."
-        )
-    if zero.offload_optimizer_ratio != 1.0:
-        raise ConfigError(
-            spec.key("offload_optimizer.ratio"),
-            zero.offload_optimizer_ratio,
-            "the planner models whole offload only; remove ratio (or set 1.0) to plan the run.",
-        )
-    return StrategyLayout(
-        name=spec.name,
-        kind="deepspeed",
-        zero_stage=zero.stage,
-        offload_optimizer=spec.offload_optimizer,
-        offload_params=spec.offload_params,
-        # `auto` (the ZeRO-1/2 presets): the cap here; the model's parameter count, at most the cap, is planned
-        # (StrategyLayout.bucket_numel), as the builder runs it.
-        reduce_bucket_size=int(zero.with_buckets_for(None).reduce_bucket_size),
-        buckets_sized_to_model=zero.reduce_bucket_size == AUTO,
-        param_persistence_threshold=zero.param_persistence_threshold,
-        overlap_comm=zero.overlap_comm,
-        contiguous_gradients=zero.contiguous_gradients,
-        prefetch_bucket_size=zero.prefetch_bucket_size,
-        max_live_parameters=zero.max_live_parameters,
-        max_reuse_distance=zero.max_reuse_distance,
-        sub_group_size=zero.sub_group_size,
-        optimizer_buffer_count=zero.optimizer_buffer_count,
-        params_buffer_count=zero.params_buffer_count,
-        params_buffer_size=zero.params_buffer_size,
-        max_in_cpu=zero.max_in_cpu,
-    )
+    return strategy_spec(node).layout(world_size)
 
 
 def activation_policy(node: Any, name: str = "none") -> ActivationPolicy:
@@ -322,7 +268,7 @@ def check_compatible(
     node = _plain(precision) or {}
     backend = node.get("backend")
     p = PreflightInput(
-        strategy=_plain(strategy) or None,
+        strategy=strategy_spec(strategy),
         precision=trainer_precision,
         optimizer_target=optimizer_target,
         accelerator="gpu" if on_cuda else "cpu",
@@ -371,9 +317,9 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
     nodes = _positive("trainer.num_nodes", cfg.trainer.get("num_nodes", 1), "use a positive whole node count.")
     micro = _positive("data.batch_size", cfg.data.batch_size, "use a positive micro-batch size per device.")
     seq_len = _positive("data.seq_len", cfg.data.seq_len, "use a positive sequence length.")
-    spec = parse_strategy(cfg.get("strategy"))
+    spec = strategy_spec(cfg.get("strategy"))
     dims = parallel_dims_of(devices, nodes, cfg.get("strategy"))
-    layout = layout_of(spec, devices * nodes)
+    layout = spec.layout(devices * nodes)
     optimizer = optimizer_from_cfg(cfg.optimizer)
     trainer_precision = str(cfg.precision.trainer_precision)
     on_cuda = hardware_from_cfg(cfg.get("hardware")).name != "cpu"
@@ -444,8 +390,8 @@ def search_space_from_cfg(
     strategies = {}
     for n in space["strategy"]:
         layout = strategy_layout(load_preset(conf_dir, "strategy", str(n)), world_size)
-        if layout.kind == "ddp" and world_size == 1:
-            strategies[NO_STRATEGY] = StrategyLayout(name=NO_STRATEGY, kind="single")
+        if layout.ddp_buckets and world_size == 1:
+            strategies[NO_STRATEGY] = replace(strategy_spec(None).layout(1), name=NO_STRATEGY)
         else:
             strategies[str(n)] = layout
     activations = {

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_trainopt.config.strategy import strategy_spec
 from lightning_trainopt.config.tree import CONF_DIR
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError, MissingDependencyError
-from lightning_trainopt.parallel.spec import StrategySpec, parse_strategy
+from lightning_trainopt.parallel.spec import StrategySpec
 from lightning_trainopt.precision.plugins import FP16_FSDP2_FIX, FP16_FSDP2_REASON
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "size_advice",
 ]
 
+# No +strategy: Lightning picks (single device, or DDP on more).
+_NO_STRATEGY = StrategySpec(name="auto", kind="none")
 _ADAM_TARGETS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.adamw.AdamW", "torch.optim.adam.Adam")
 _OPTIMIZER_CONF = CONF_DIR / "optimizer"
 
@@ -69,8 +72,12 @@ def optimizer_preset(target: str | None) -> str | None:
 class PreflightInput:
     """What the checks look at, extracted from the composed config.
 
+    The strategy is its :class:`~lightning_trainopt.parallel.spec.StrategySpec` (read once from the node by
+    :func:`~lightning_trainopt.config.strategy.strategy_spec`); the rules ask it questions
+    (``p.strategy.offloads_optimizer``) rather than testing its kind.
+
     Args:
-        strategy: the ``strategy`` node as a plain dict (``_target_``, ``name``, kwargs) or ``None``.
+        strategy: what the ``strategy`` node means; the default is no ``+strategy`` (Lightning picks).
         precision: the Trainer precision string (``32-true``, ``bf16-mixed``, ``16-mixed``, ``transformer-engine``...)
             or ``fp8`` for torchao float8 training.
         optimizer_target: the optimizer's ``_target_`` (``torch.optim.AdamW``, ``bitsandbytes.optim.AdamW8bit``...).
@@ -85,7 +92,7 @@ class PreflightInput:
         transforms_model: the preset changes the model before the strategy wraps it (FP8, ``keep_fp32``).
     """
 
-    strategy: dict[str, Any] | None = None
+    strategy: StrategySpec = _NO_STRATEGY
     precision: str = "32-true"
     optimizer_target: str | None = None
     accelerator: str = "auto"
@@ -98,11 +105,6 @@ class PreflightInput:
     fp8_emulate: bool | None = None
     transforms_model: bool = False
 
-    @functools.cached_property
-    def spec(self) -> StrategySpec:
-        """What the strategy node means (:func:`~lightning_trainopt.parallel.spec.parse_strategy`), read once."""
-        return parse_strategy(self.strategy)
-
     @property
     def optimizer(self) -> str | None:
         """The optimizer preset as the user selects it (``adamw8bit``), or its ``_target_`` when no preset has it."""
@@ -110,19 +112,8 @@ class PreflightInput:
 
     @property
     def preset(self) -> str:
-        return self.spec.name
-
-    @property
-    def is_deepspeed(self) -> bool:
-        return self.spec.kind == "deepspeed"
-
-    @property
-    def is_fsdp(self) -> bool:
-        return self.spec.kind == "fsdp"
-
-    def offload(self) -> dict[str, str]:
-        """``{"optimizer": cpu|nvme|none, "param": ...}`` as the strategy would configure it."""
-        return self.spec.offload
+        """The strategy as metrics.json and messages name it (``zero3``; ``auto`` without one)."""
+        return self.strategy.name
 
     def on_cpu(self) -> bool:
         if self.accelerator == "cpu":
@@ -188,7 +179,7 @@ def _gpu_keys(p: PreflightInput) -> dict[str, Any]:
 
 
 def _ds_optimizer_block(p: PreflightInput) -> bool:
-    return p.is_deepspeed and p.spec.json_optimizer
+    return p.strategy.json_optimizer
 
 
 RULES: tuple[Rule, ...] = (
@@ -198,7 +189,7 @@ RULES: tuple[Rule, ...] = (
         "reject transformer-engine FP8 (Lightning #18820, #18679).",
         "use precision=fp8 (torchao) or precision=fp8_te (Transformer Engine): they convert the model before the "
         "DeepSpeed engine or fully_shard wraps it.",
-        lambda p: _lightning_te(p) and (p.is_deepspeed or p.is_fsdp),
+        lambda p: _lightning_te(p) and p.strategy.own_precision_plugin,
         lambda p: {"precision": p.precision, "strategy": p.preset},
     ),
     Rule(
@@ -223,7 +214,7 @@ RULES: tuple[Rule, ...] = (
         "Lightning's FSDPStrategy (FSDP1) needs its own FSDPPrecision plugin, which cannot convert layers to FP8 "
         "or keep modules in fp32.",
         "use +strategy=fsdp (FSDP2 through ModelParallelStrategy), which takes these presets.",
-        lambda p: p.transforms_model and p.spec.fsdp_version == 1,
+        lambda p: p.transforms_model and p.strategy.fsdp_version == 1,
         lambda p: {"precision": p.precision_preset, "strategy": p.preset},
     ),
     Rule(
@@ -231,7 +222,7 @@ RULES: tuple[Rule, ...] = (
         "offload steps the optimizer on the CPU with DeepSpeed's CPU Adam (or FSDP's CPU copy); 8-bit optimizer "
         "states cannot be offloaded (DeepSpeed #6666) and DeepSpeed refuses a client optimizer under offload.",
         "drop the offload (zero1/zero2 keep 8-bit states) or use optimizer=adamw with the offload preset.",
-        lambda p: _is_8bit(p.optimizer_target) and p.offload()["optimizer"] != "none",
+        lambda p: _is_8bit(p.optimizer_target) and p.strategy.offloads_optimizer,
         lambda p: {"optimizer": p.optimizer, "strategy": p.preset},
     ),
     Rule(
@@ -240,7 +231,7 @@ RULES: tuple[Rule, ...] = (
         "'optimizer_update_8bit_blockwise got mixed torch.Tensor and DTensor' (measured; bitsandbytes #89 reports "
         "the same class of failure for FSDP1).",
         "use the 8-bit optimizer with zero1/zero2/zero3 (DeepSpeed hands it flat local partitions) or adamw with fsdp.",
-        lambda p: _is_8bit(p.optimizer_target) and p.is_fsdp,
+        lambda p: _is_8bit(p.optimizer_target) and p.strategy.shards_each_param,
         lambda p: {"optimizer": p.optimizer, "strategy": p.preset},
     ),
     Rule(
@@ -249,8 +240,7 @@ RULES: tuple[Rule, ...] = (
         "client optimizer makes DeepSpeed raise ZeRORuntimeException.",
         "use optimizer=adamw (replaced by DeepSpeedCPUAdam automatically) or a preset without offload.",
         lambda p: (
-            p.is_deepspeed
-            and p.offload()["optimizer"] != "none"
+            p.strategy.steps_cpu_adam
             and not _ds_optimizer_block(p)
             and not _is_8bit(p.optimizer_target)
             and p.optimizer_target is not None
@@ -263,14 +253,16 @@ RULES: tuple[Rule, ...] = (
         "DeepSpeed fixes gradient_accumulation_steps in its config at start-up; Lightning raises when the scheduler "
         "changes accumulation between epochs.",
         "use a constant trainer.accumulate_grad_batches, or ddp/fsdp with the scheduler.",
-        lambda p: p.is_deepspeed and any(t.endswith("GradientAccumulationScheduler") for t in p.callback_targets),
+        lambda p: (
+            p.strategy.wraps_in_engine and any(t.endswith("GradientAccumulationScheduler") for t in p.callback_targets)
+        ),
         lambda p: {"callbacks": "GradientAccumulationScheduler", "strategy": p.preset},
     ),
     Rule(
         "fp16 AMP + FSDP2",
         FP16_FSDP2_REASON,
         FP16_FSDP2_FIX,
-        lambda p: p.precision == "16-mixed" and p.spec.fsdp_version == 2,
+        lambda p: p.precision == "16-mixed" and p.strategy.fsdp_version == 2,
         lambda p: {"precision": p.precision, "strategy": p.preset},
     ),
     Rule(
@@ -285,7 +277,7 @@ RULES: tuple[Rule, ...] = (
         "NVMe offload without async I/O",
         "ZeRO-Infinity swaps through DeepSpeed's async_io op, which needs the system library libaio.",
         "install it (apt-get install -y libaio-dev) or use zero3_offload (CPU).",
-        lambda p: "nvme" in p.offload().values() and not _async_io_ok(),
+        lambda p: p.strategy.offloads_to_nvme and not _async_io_ok(),
         lambda p: {"strategy": p.preset, "async_io": "unavailable"},
         machine_specific=True,
     ),
@@ -293,7 +285,7 @@ RULES: tuple[Rule, ...] = (
         "FSDP1 on CPU",
         "torch's FullyShardedDataParallel (Lightning FSDPStrategy) raises 'FSDP needs a non-CPU accelerator device'.",
         "use +strategy=fsdp (FSDP2 fully_shard through ModelParallelStrategy), which runs on CPU.",
-        lambda p: p.spec.fsdp_version == 1 and p.on_cpu(),
+        lambda p: p.strategy.fsdp_version == 1 and p.on_cpu(),
         lambda p: {"strategy": p.preset, "trainer.accelerator": "cpu"},
     ),
 )
@@ -336,8 +328,8 @@ def required_packages(p: PreflightInput) -> list[Requirement]:
         needs.append(Requirement(f"optimizer={p.optimizer}", "bitsandbytes", "bnb"))
     elif "torchao" in target:
         needs.append(Requirement(f"optimizer={p.optimizer}", "torchao", "torchao"))
-    if p.is_deepspeed:
-        needs.append(Requirement(f"+strategy={p.preset}", "deepspeed", "deepspeed"))
+    if p.strategy.package is not None:
+        needs.append(Requirement(f"+strategy={p.preset}", p.strategy.package, p.strategy.package))
     # fp8_te on a CPU is refused by a rule instead: installing Transformer Engine would not help there.
     te = p.fp8_backend == "transformer_engine" and not p.on_cpu()
     if p.precision.startswith("transformer-engine") or te:
@@ -379,7 +371,7 @@ def estimate_nvme_bytes(n_params: int, world_size: int, offload: dict[str, str])
 def _check_nvme(p: PreflightInput) -> None:
     """Each NVMe swap folder exists, is writable and has room for what goes there (keys as the user wrote them)."""
     need: dict[str, tuple[str, int]] = {}
-    for what, key, path in p.spec.nvme_swaps():
+    for what, key, path in p.strategy.nvme_swaps():
         if not path or not os.path.isdir(path):
             raise ConfigError(key, path, "point it at an existing directory on a local NVMe drive.")
         if not os.access(path, os.W_OK):
@@ -398,23 +390,26 @@ def _check_nvme(p: PreflightInput) -> None:
             )
 
 
-def size_advice(n_params: int, preset: str, offload: dict[str, str] | None = None) -> str | None:
-    """Rule-of-thumb advice (never enforced): <1B DDP; 1-10B DP + ZeRO-2; 10-100B ZeRO-3 + TP; >100B PP + TP + DP."""
-    offload = offload or {}
-    offloading = any(v != "none" for v in offload.values())
+def size_advice(n_params: int, strategy: StrategySpec) -> str | None:
+    """Rule-of-thumb advice (never enforced): <1B DDP; 1-10B DP + ZeRO-2; 10-100B ZeRO-3 + TP; >100B PP + TP + DP.
+
+    Far from the rule: below 1B, sharding parameters or offloading anything; 1-10B, NVMe offload; 10-100B, gradients
+    kept whole on every rank (DDP, ZeRO-1); above 100B, parameters kept whole on every rank (DDP, ZeRO-1, ZeRO-2).
+    """
+    preset = strategy.name
     billions = n_params / 1e9
     if billions < 1:
         suggested = "ddp"
-        far = preset.startswith("zero3") or preset == "zero_infinity" or offloading
+        far = strategy.shards_params or strategy.offloads_optimizer or strategy.offloads_params
     elif billions < 10:
         suggested = "zero2"
-        far = preset == "zero_infinity"
+        far = strategy.offloads_to_nvme
     elif billions < 100:
         suggested = "zero3 (with tensor parallelism)"
-        far = preset in ("ddp", "zero1")
+        far = not strategy.shards_grads
     else:
         suggested = "pipeline + tensor + data parallelism"
-        far = preset in ("ddp", "zero1", "zero2")
+        far = not strategy.shards_params
     if not far:
         return None
     return (
@@ -462,7 +457,7 @@ def preflight(p: PreflightInput | Any) -> list[str]:
         if rule.applies(p):
             raise IncompatibleConfigError(rule.keys(p), rule.reason, rule.fix)
     _check_nvme(p)
-    advice = size_advice(p.n_params, p.preset, p.offload()) if p.n_params and p.strategy else None
+    advice = size_advice(p.n_params, p.strategy) if p.n_params and p.strategy.chosen else None
     return [advice] if advice else []
 
 
@@ -482,7 +477,7 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     def plain(node: Any) -> Any:
         return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
-    strategy = plain(cfg.get("strategy"))
+    strategy = strategy_spec(cfg.get("strategy"))
     precision = plain(cfg.get("precision")) or {}
     optimizer = plain(cfg.get("optimizer")) or {}
     callbacks = plain(cfg.get("callbacks")) or {}

@@ -340,11 +340,11 @@ def _check_head_loss_with_compile(cfg: DictConfig) -> None:
     loss, strategy = cfg.get("loss"), cfg.get("strategy")
     if not loss or "_target_" not in loss or not cfg.get("compile") or strategy is None:
         return
-    from lightning_trainopt.parallel.spec import parse_strategy
+    from lightning_trainopt.config.strategy import strategy_spec
 
-    node = OmegaConf.to_container(strategy, resolve=True)
-    spec = parse_strategy({str(k): v for k, v in node.items()} if isinstance(node, dict) else None)
-    if spec.kind == "fsdp":
+    spec = strategy_spec(strategy)
+    # FSDP frees each unit's gathered weights after its forward; ZeRO-3 re-gathers on access through its hooks.
+    if spec.shards_each_param:
         raise IncompatibleConfigError(
             {"loss": str(loss["_target_"]).rsplit(".", 1)[-1], "compile": True, "strategy": spec.name},
             "with compile=true the head loss is applied after the compiled model returns, and FSDP2 has resharded "

@@ -29,7 +29,7 @@ from lightning_trainopt.config.model_factory import (
     model_name,
     model_vocab_size,
 )
-from lightning_trainopt.config.parallel_dims import parallel_dims_from_cfg
+from lightning_trainopt.config.run_spec import run_spec
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
@@ -92,7 +92,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int | None, n_params: int) -> Any:
     if cfg.get("strategy") is None:
         return "auto"
-    from lightning_trainopt.parallel import build_strategy
+    from lightning_trainopt.config.strategy import build_strategy
 
     return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size, n_params=n_params)
 
@@ -183,17 +183,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.warning(advice)
     # The ranks' split into replicas is validated here, before anything is spawned (the Trainer's strategy is
     # checked against it again once it has set up: ParallelDims.from_trainer).
-    dims = parallel_dims_from_cfg(cfg)
+    run = run_spec(cfg)
+    dims = run.parallelism.dims
 
     run_dir = output_dir(cfg)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)
+    ckpt_path = resolve_ckpt_path(run.checkpointing.ckpt_path, run_dir)
     if ckpt_path is not None:
-        from lightning_trainopt.checkpoint.resume_check import check_resume
+        from lightning_trainopt.config.resume import check_resume_from_cfg
 
-        check_resume(cfg, ckpt_path, dims.dp if dims is not None else None)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+        check_resume_from_cfg(cfg, ckpt_path, dims.dp if dims is not None else None)
+    pl.seed_everything(run.launch.seed, workers=True, verbose=False)
 
-    precision = instantiate(cfg.precision)
+    precision = run.precision
     datamodule = instantiate(cfg.data)
     if hasattr(datamodule, "check_source"):
         datamodule.check_source()
@@ -251,7 +252,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         info = _strategy_info(trainer, cfg)
         _final_validation(trainer, module, datamodule, clock)
     except torch.OutOfMemoryError:
-        if not cfg.get("continue_on_oom", False):
+        if not run.launch.continue_on_oom:
             raise
         oom = True
         log.error("out of memory; recorded as status=oom (continue_on_oom=true)")

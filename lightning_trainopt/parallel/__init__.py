@@ -1,7 +1,8 @@
-"""ParallelDims, strategy classes, the spec of a strategy node, and the builder of ``conf/strategy`` presets."""
+"""ParallelDims, strategy classes, the spec of a strategy node, and the mapping of ``conf/strategy`` presets into their
+arguments (``config/strategy.py`` instantiates them)."""
 
 from lightning_trainopt.checkpoint.io import AtomicCheckpointIO
-from lightning_trainopt.parallel.builder import build_strategy, preset_name, strategy_info
+from lightning_trainopt.parallel.builder import preset_name, strategy_info, strategy_kwargs
 from lightning_trainopt.parallel.deepspeed import TrainOptDeepSpeedStrategy, to_deepspeed_cpu_adam
 from lightning_trainopt.parallel.deepspeed_json import load_deepspeed_json
 from lightning_trainopt.parallel.dims import ParallelDims
@@ -16,11 +17,11 @@ __all__ = [
     "TrainOptFSDPStrategy",
     "ZeroSpec",
     "apply_fully_shard",
-    "build_strategy",
     "load_deepspeed_json",
     "parse_strategy",
     "preset_name",
     "spec_of",
     "strategy_info",
+    "strategy_kwargs",
     "to_deepspeed_cpu_adam",
 ]

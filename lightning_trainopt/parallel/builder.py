@@ -1,20 +1,25 @@
-"""Build the Trainer's strategy from a ``conf/strategy`` preset, mapping our config into the strategy's."""
+"""Map a ``conf/strategy`` preset into the keyword arguments of its strategy (:func:`strategy_kwargs`), and report the
+strategy a run used.
+
+Plain values in, plain values out: the node is read from the composed config and instantiated in
+``config/strategy.py`` (``build_strategy``), so nothing here reads Hydra or OmegaConf.
+"""
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.strategies import Strategy
-from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.exceptions import ConfigError, MissingDependencyError
 from lightning_trainopt.optim.schedules import peak_lr
-from lightning_trainopt.parallel.spec import BUCKET_KEYS, StrategySpec, parse_strategy
+from lightning_trainopt.parallel.spec import BUCKET_KEYS, StrategySpec, resolve_target
 from lightning_trainopt.precision.spec import PrecisionSpec
 
-__all__ = ["build_strategy", "preset_name", "strategy_info"]
+__all__ = ["preset_name", "strategy_info", "strategy_kwargs"]
 
 
 def _log2_int(value: float, key: str) -> int:
@@ -24,18 +29,18 @@ def _log2_int(value: float, key: str) -> int:
     return int(power)
 
 
-def build_strategy(
-    strategy_cfg: DictConfig | dict[str, Any] | None,
+def strategy_kwargs(
+    spec: StrategySpec,
+    node: Mapping[str, Any],
     precision: PrecisionSpec,
-    trainer_cfg: DictConfig | dict[str, Any] | None = None,
+    trainer: Mapping[str, Any] | None = None,
     micro_batch_size: int | None = None,
     n_params: int | None = None,
-) -> Strategy | str:
-    """Instantiate a strategy preset (``cfg.strategy``), or return ``"auto"`` when there is none.
+) -> dict[str, Any]:
+    """The node to instantiate for ``spec``: the preset's ``_target_`` and keyword arguments, with what the builder
+    fills for DeepSpeed.
 
-    The node is read once into a :class:`~lightning_trainopt.parallel.spec.StrategySpec` (:func:`parse_strategy`),
-    which refuses a bad value naming its key before anything is built. For DeepSpeed presets the builder then fills
-    what DeepSpeed would otherwise guess or take from elsewhere:
+    For DeepSpeed presets the builder fills what DeepSpeed would otherwise guess or take from elsewhere:
 
     * ``train_micro_batch_size_per_gpu`` <- ``micro_batch_size`` (the datamodule's ``data.batch_size``),
     * ``reduce_bucket_size``/``allgather_bucket_size: auto`` (the ZeRO-1/2 presets) <- the model's parameter count
@@ -46,46 +51,29 @@ def build_strategy(
       ``trainer.gradient_clip_val``) when the strategy sets up, exactly as Lightning does.
 
     Args:
-        strategy_cfg: the ``strategy`` node (``_target_``, ``name`` and keyword arguments) or ``None``.
+        spec: what the node means (:func:`~lightning_trainopt.parallel.spec.parse_strategy` of ``node``).
+        node: the ``strategy`` node as a plain mapping (``_target_``, ``name`` and keyword arguments).
         precision: the precision preset.
-        trainer_cfg: the ``trainer`` node (only checked here; the Trainer itself passes its values at setup).
+        trainer: the ``trainer`` node as a plain mapping (only checked here; the Trainer passes its values at setup).
         micro_batch_size: micro-batch per device.
         n_params: the model's parameter count, for ``auto`` bucket sizes (``None``: unknown, the 5e7 cap applies).
 
     Raises:
-        ConfigError: a missing ``_target_`` or value (``???``), a value :func:`parse_strategy` refuses (e.g. a bucket
-            size that is neither a positive whole number nor ``auto``), a non-positive micro-batch, a loss scale that
-            is not a power of two, or a clipping-by-value request under DeepSpeed.
+        ConfigError: a missing ``_target_``, a non-positive micro-batch, a loss scale that is not a power of two, or a
+            clipping-by-value request under DeepSpeed.
+        MissingDependencyError: a DeepSpeed preset without DeepSpeed installed.
     """
-    if strategy_cfg is None:
-        return "auto"
-    from hydra.utils import instantiate
-
-    spec = parse_strategy(strategy_cfg)
-    node = _container(strategy_cfg)
-    target = node.get("_target_")
+    kwargs = {str(k): v for k, v in node.items()}
+    target = kwargs.get("_target_")
     if not target:
         raise ConfigError("strategy._target_", target, "pick a preset with +strategy=NAME (see conf/strategy/).")
-    node.pop("name", None)
+    kwargs.pop("name", None)
     if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
         raise ConfigError("data.batch_size", micro_batch_size, "use a positive integer micro-batch.")
-
-    if spec.kind == "deepspeed":
+    if spec.zero is not None:
         _require_deepspeed(spec.name)
-        _map_deepspeed(node, spec.with_buckets_for(n_params), precision, trainer_cfg, micro_batch_size)
-    strategy = instantiate(node, _convert_="all")
-    if not isinstance(strategy, Strategy):
-        raise ConfigError("strategy._target_", target, "point it at a lightning.pytorch Strategy class.")
-    strategy.trainopt_preset = spec.name  # type: ignore[attr-defined]
-    return strategy
-
-
-def _container(strategy_cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
-    """The node as a plain dict, interpolations resolved (its values are checked by :func:`parse_strategy`)."""
-    plain = OmegaConf.to_container(strategy_cfg, resolve=True) if isinstance(strategy_cfg, DictConfig) else strategy_cfg
-    if not isinstance(plain, dict):
-        raise ConfigError("strategy", plain, "use a strategy preset: +strategy=NAME (see conf/strategy/).")
-    return {str(k): v for k, v in plain.items()}
+        _map_deepspeed(kwargs, spec.with_buckets_for(n_params), precision, trainer, micro_batch_size)
+    return kwargs
 
 
 def _require_deepspeed(name: str) -> None:
@@ -100,14 +88,12 @@ def _map_deepspeed(
     node: dict[str, Any],
     spec: StrategySpec,
     precision: PrecisionSpec,
-    trainer_cfg: DictConfig | dict[str, Any] | None,
+    trainer_cfg: Mapping[str, Any] | None,
     micro_batch_size: int | None,
 ) -> None:
-    from hydra.utils import get_class
-
     from lightning_trainopt.parallel.deepspeed import TrainOptDeepSpeedStrategy
 
-    if issubclass(get_class(spec.target), TrainOptDeepSpeedStrategy):
+    if issubclass(resolve_target(spec.target), TrainOptDeepSpeedStrategy):
         node.setdefault("preset", spec.name)
     trainer = dict(trainer_cfg or {})
     if trainer.get("gradient_clip_algorithm") == "value":

@@ -1,8 +1,18 @@
 """What a strategy node means, worked out once: :class:`StrategySpec`, from a preset node or a DeepSpeed JSON.
 
 A ``conf/strategy`` node (its ``_target_`` and keyword arguments, with the user's overrides) or a DeepSpeed JSON
-(``strategy.config``) is read here and nowhere else: the builder, the strategies, the pre-flight checks and the
-planner all take a :class:`StrategySpec`. What a node leaves out gets the default of whoever applies it:
+(``strategy.config``) is read here and nowhere else (``config/strategy.py`` hands it over as plain values): the
+builder, the strategies, the pre-flight checks, the callbacks and the planner all take a :class:`StrategySpec`, and
+ask it what the strategy does (``spec.shards_params``, ``spec.offloads_optimizer``; the questions of
+:class:`~lightning_trainopt.planner.strategy_layout.StrategyQuestions`) instead of testing its kind.
+
+Why the spec lives here and the planner reads a view of it: telling a strategy's kind means importing Lightning's
+strategy classes, which the pure planner (a lower layer) may not do, while the planner's figures need the spec on a
+given world size (no ``+strategy`` is one device or DDP). So the spec stays in ``parallel/`` beside the code that
+builds strategies, its questions are defined once in the pure ``planner/strategy_layout.py`` (inherited by both), and
+:meth:`StrategySpec.layout` is the one function that makes the planner's
+:class:`~lightning_trainopt.planner.strategy_layout.StrategyLayout`. ``ZeroSpec`` is not a second description: it is
+the DeepSpeed part of a spec (its ``zero`` field). What a node leaves out gets the default of whoever applies it:
 
 * a keyword argument, the default in the signature of the ``_target_`` class (Lightning's ``DeepSpeedStrategy``,
   ``TrainOptDeepSpeedStrategy``, ``TrainOptFSDPStrategy``, ...), read with :func:`class_defaults`;
@@ -38,6 +48,7 @@ from lightning_trainopt.parallel.zero_spec import (
     lightning_zero_config,
     read_zero,
 )
+from lightning_trainopt.planner.strategy_layout import StrategyLayout, StrategyQuestions
 
 __all__ = [
     "AUTO",
@@ -51,6 +62,7 @@ __all__ = [
     "deepspeed_config_spec",
     "fsdp_spec",
     "parse_strategy",
+    "resolve_target",
     "spec_of",
 ]
 
@@ -60,7 +72,7 @@ KINDS = ("none", "ddp", "deepspeed", "fsdp", "other")
 
 
 @dataclass(frozen=True)
-class StrategySpec:
+class StrategySpec(StrategyQuestions):
     """What a strategy node means, as plain data: parse one with :func:`parse_strategy`.
 
     Args:
@@ -144,6 +156,82 @@ class StrategySpec:
         """This spec with ``auto`` bucket sizes made numbers (:meth:`ZeroSpec.with_buckets_for`)."""
         return self if self.zero is None else replace(self, zero=self.zero.with_buckets_for(n_params))
 
+    @property
+    def package(self) -> str | None:
+        """The optional package (and pip extra) the strategy needs: ``deepspeed``, else ``None``."""
+        return "deepspeed" if self.kind == "deepspeed" else None
+
+    @property
+    def chosen(self) -> bool:
+        """The run names a strategy (``+strategy=...``); without one, Lightning picks."""
+        return self.kind != "none"
+
+    def layout(self, world_size: int) -> StrategyLayout:
+        """The planner's view of this strategy on ``world_size`` devices: the one place a
+        :class:`~lightning_trainopt.planner.strategy_layout.StrategyLayout` is made from a spec.
+
+        Without a strategy, Lightning's default: DDP on more than one device, else a single device. A DDP preset
+        stays DDP on one device too (Lightning wraps the model in DDP whatever the world).
+
+        Raises:
+            ConfigError: ZeRO stage 0, a partial optimizer offload (``ratio``), or a kind the planner does not model,
+                naming the key as the user wrote it.
+        """
+        if self.kind == "none":
+            kind = "ddp" if world_size > 1 else "single"
+            return StrategyLayout(name=kind, kind=kind)
+        if self.kind == "ddp":
+            return StrategyLayout(name=self.name, kind="ddp")
+        if self.kind == "fsdp":
+            return StrategyLayout(
+                name=self.name,
+                kind="fsdp",
+                offload_params=self.offload_params,
+                offload_optimizer=self.offload_optimizer,
+                # FSDP1's class has no such argument (None): it reshards after forward, as FSDP2's default does.
+                reshard_after_forward=self.reshard_after_forward is not False,
+            )
+        if self.kind != "deepspeed" or self.zero is None:
+            raise ConfigError(
+                "strategy._target_", self.target, "the planner models ddp, zero1/2/3 (+offload, infinity) and fsdp."
+            )
+        zero = self.zero
+        if zero.stage == 0:
+            where = "in the JSON" if self.from_json else "with strategy.stage=1, 2 or 3"
+            raise ConfigError(
+                self.key("stage"),
+                0,
+                f"the planner models ZeRO stages 1, 2 and 3 (0 is no ZeRO); set the stage {where}.",
+            )
+        if zero.offload_optimizer_ratio != 1.0:
+            raise ConfigError(
+                self.key("offload_optimizer.ratio"),
+                zero.offload_optimizer_ratio,
+                "the planner models whole offload only; remove ratio (or set 1.0) to plan the run.",
+            )
+        return StrategyLayout(
+            name=self.name,
+            kind="deepspeed",
+            zero_stage=zero.stage,
+            offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
+            # `auto` (the ZeRO-1/2 presets): the cap here; the model's parameter count, at most the cap, is planned
+            # (StrategyLayout.bucket_numel), as the builder runs it.
+            reduce_bucket_size=int(zero.with_buckets_for(None).reduce_bucket_size),
+            buckets_sized_to_model=zero.reduce_bucket_size == AUTO,
+            param_persistence_threshold=zero.param_persistence_threshold,
+            overlap_comm=zero.overlap_comm,
+            contiguous_gradients=zero.contiguous_gradients,
+            prefetch_bucket_size=zero.prefetch_bucket_size,
+            max_live_parameters=zero.max_live_parameters,
+            max_reuse_distance=zero.max_reuse_distance,
+            sub_group_size=zero.sub_group_size,
+            optimizer_buffer_count=zero.optimizer_buffer_count,
+            params_buffer_count=zero.params_buffer_count,
+            params_buffer_size=zero.params_buffer_size,
+            max_in_cpu=zero.max_in_cpu,
+        )
+
 
 def parse_strategy(node: Mapping[str, Any] | None) -> StrategySpec:
     """The :class:`StrategySpec` of a ``strategy`` node: a ``conf/strategy`` preset with the user's overrides.
@@ -153,7 +241,8 @@ def parse_strategy(node: Mapping[str, Any] | None) -> StrategySpec:
     that JSON, as Lightning does, and its keyword arguments are ignored.
 
     Args:
-        node: the ``strategy`` node (a ``DictConfig`` or a mapping), or ``None`` when there is no ``+strategy``.
+        node: the ``strategy`` node as a plain mapping (``config/strategy.py`` reads it from the composed config), or
+            ``None`` when there is no ``+strategy``.
 
     Raises:
         ConfigError: a missing (``???``) value, no or no importable ``_target_``, an unreadable JSON, or a bad
@@ -170,7 +259,7 @@ def parse_strategy(node: Mapping[str, Any] | None) -> StrategySpec:
     if not target:
         raise ConfigError("strategy._target_", target, "pick a preset with +strategy=NAME (see conf/strategy/).")
     target = str(target)
-    cls = _resolve(target)
+    cls = resolve_target(target)
     kwargs = {str(k): v for k, v in plain.items() if not str(k).startswith("_") and k != "name"}
     name = _name(plain, kwargs, cls, target)
     kind, version = _kind(cls)
@@ -275,10 +364,6 @@ def class_defaults(cls: type) -> Mapping[str, Any]:
 def _plain(node: Any) -> dict[str, Any] | None:
     if node is None:
         return None
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(node):
-        node = OmegaConf.to_container(node, resolve=True)
     if not isinstance(node, Mapping):
         raise ConfigError("strategy", node, "use a strategy preset: +strategy=NAME (see conf/strategy/).")
     return dict(node)
@@ -295,7 +380,7 @@ def _name(plain: Mapping[str, Any], kwargs: Mapping[str, Any], cls: Any, target:
     return target.rsplit(".", 1)[-1].removesuffix("Strategy").lower()
 
 
-def _resolve(target: str) -> Any:
+def resolve_target(target: str) -> Any:
     """The object a ``_target_`` names, imported as Hydra's ``instantiate`` would."""
     module, _, attr = target.rpartition(".")
     try:

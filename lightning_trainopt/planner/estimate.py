@@ -100,7 +100,7 @@ class PlanInputs:
     @property
     def autocast(self) -> bool:
         # Lightning hands DeepSpeed a half-precision module instead of autocasting.
-        return self.trainer_precision.endswith("-mixed") and self.layout.kind != "deepspeed"
+        return self.trainer_precision.endswith("-mixed") and not self.layout.wraps_in_engine
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ def build_terms(
     """
     n, b, w = sum(numels), weight_bytes, world_size
     whole = f"{b} B x {_gb(n)}"
-    if layout.kind in ("single", "ddp"):
+    if not layout.shards_optimizer:
         return [Term("params", "device", f"{8 * b}-bit weights as built", b * n, whole, phase="build")]
-    if layout.kind == "deepspeed" and layout.zero_stage in (1, 2):
+    if not layout.shards_params:
         return [
             Term(
                 "params",
@@ -64,7 +64,7 @@ def build_terms(
             )
         ]
     shards = sum(math.ceil(k / w) for k in numels)
-    if layout.kind == "deepspeed":
+    if layout.flat_partitions:
         gather = min(max(numels, default=0) if largest_gather is None else largest_gather, n)
         terms = [
             Term(

@@ -69,7 +69,7 @@ ModuleTrace = tuple[tuple[tuple[int, int], ...], ...]
 def param_dtype_bytes(trainer_precision: str, layout: StrategyLayout) -> tuple[int, int]:
     """(weight bytes, gradient bytes) per element as the strategy stores the model's own parameters."""
     half = trainer_precision.startswith(("bf16", "16")) or trainer_precision == "transformer-engine"
-    if layout.kind == "deepspeed":
+    if layout.wraps_in_engine:
         # Lightning hands DeepSpeed `bf16`/`fp16` enabled for both -mixed and -true: the engine casts the module.
         return (2, 2) if half else (4, 4)
     if trainer_precision.endswith("-true") and half:
@@ -128,18 +128,18 @@ def estimate_model_states(
     largest_unit = max((*units.blocks, units.root), default=0)
     built = build_terms(numels, wb, layout, w, largest_unit, largest_gather=max((*units.blocks, *numels), default=0))
     terms: list[Term | None] = list(built)
-    if layout.kind in ("single", "ddp"):
+    if not layout.shards_optimizer:
         terms.append(Term("params", "device", f"{8 * wb}-bit weights", wb * n, f"{wb} B x {_gb(n)}"))
         terms.append(Term("grads", "device", f"{8 * gb}-bit .grad", gb * n, f"{gb} B x {_gb(n)}", phase=grad_phase))
         terms.append(_adam_temporary(optimizer, adam_path, [list(g) for g in param_groups], wb, "device"))
         terms.append(
             Term("optimizer_states", "device", optimizer.name, optimizer.bytes_for(numels, wb), optimizer.formula(wb))
         )
-        if layout.kind == "ddp":
+        if layout.ddp_buckets:
             # Lightning wraps the model in DDP even on one device, and DDP allocates its buckets at any world size.
             terms.append(Term("other", "device", "DDP gradient buckets", gb * n, f"{gb} B x {_gb(n)}"))
         return MemoryEstimate.of(t for t in terms if t is not None)
-    if layout.kind == "fsdp":
+    if layout.shards_each_param:
         shards = [math.ceil(k / w) for k in numels]
         s = sum(shards)
         where = _where(layout.offload_params)
@@ -218,7 +218,7 @@ def _deepspeed(
 ) -> MemoryEstimate:
     terms: list[Term | None] = []
     opt_where = _where(layout.offload_optimizer)
-    if layout.zero_stage in (1, 2):
+    if not layout.shards_params:
         # Each param group is one flat buffer padded to a multiple of 2 x world (nccl_start_alignment_factor).
         nonempty = [g for g in param_groups if sum(g)]
         padded = [math.ceil(sum(g) / (2 * w)) * 2 * w for g in nonempty]
@@ -268,7 +268,7 @@ def _deepspeed(
                         f"{h} B x {_gb(touched)} (params touching the 1/{w} partition)",
                     )
                 )
-        if layout.zero_stage == 1 and accumulate > 1:
+        if layout.reduces_at_boundary and accumulate > 1:
             # ZeRO-1 reduces (and frees) .grad only at the accumulation boundary (reduce_ready_partitions_and_remove_
             # grads); in between, full half gradients accumulate. ZeRO-2 reduces every micro-batch.
             terms.append(Term("grads", "device", f"{8 * h}-bit .grad between boundaries", h * n, f"{h} B x {_gb(n)}"))

@@ -225,21 +225,20 @@ def estimate_step_overhead(
 
     per_rank = math.ceil(n_params / world_size)
     params_off = memory.bytes("params", "cpu") + memory.bytes("params", "nvme")
-    offloads_optimizer = layout.offload_optimizer != "none"
-    if layout.kind == "deepspeed" and offloads_optimizer:
+    if layout.steps_cpu_adam:
         g = compute_bytes
-        every_micro = layout.zero_stage == 3 or k > 1
+        every_micro = layout.shards_params or k > 1
         beside(D2H, 4 * per_rank, f"fp32 gradient partition 4 B x {per_rank:,}")
         if every_micro:
             beside(D2H, g * per_rank * k, f"{g} B gradient partition x {k} micro-batches")
         if k > 1:
             beside(H2D, g * per_rank * (k - 1), f"{g} B gradient partition back x {k - 1} micro-batches")
-        if layout.zero_stage == 3 and layout.offload_params != "none":
+        if layout.offloads_params:
             beside(H2D, 2 * k * params_off, f"parameter fetches 2 x {k} x {_gb(params_off)}")
         else:
             link("updated parameters to the device", g * per_rank, f"{g} B x {per_rank:,} partition")
         cpu_step("CPU Adam", per_rank * devices_per_node, f"{per_rank:,} x {devices_per_node} ranks per node")
-    elif layout.kind == "fsdp" and layout.offload_params != "none":
+    elif layout.shards_each_param and layout.offloads_params:
         grads = memory.bytes("grads", "cpu")
         beside(H2D, 2 * k * params_off, f"parameter shard fetches 2 x {k} x {_gb(params_off)}")
         beside(D2H, k * grads, f"gradient shards {k} x {_gb(grads)}")

@@ -1,14 +1,14 @@
-"""The planner's one-screen derivation (rich), so a user can check every figure; the exit status of a plan sweep."""
+"""The planner's one-screen derivation (rich), so a user can check every figure; which jobs of a plan sweep failed.
+
+Pure: what it needs of the composed config (preset names, overrides) is read in ``config/plan_command.py``.
+"""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -22,72 +22,13 @@ if TYPE_CHECKING:
     from lightning_trainopt.planner.result import PlanResult
 
 __all__ = [
-    "PlanSweepCheck",
     "model_flops_per_token",
-    "override_keys",
-    "plan_choices",
     "print_plan",
     "refused_jobs",
     "seq_len_note",
-    "train_command",
 ]
 
 _GIB = 2**30
-
-
-def plan_choices(cfg: DictConfig) -> dict[str, str]:
-    """Preset names of the composed config (Hydra's runtime choices when running under ``@hydra.main``)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        runtime = dict(HydraConfig.get().runtime.choices)
-    except ValueError:
-        runtime = {}
-    plan_cfg = cfg.get("plan") or {}
-    given = dict(_plain(plan_cfg.get("choices")) or {})
-    out = {}
-    for group in ("model", "precision", "strategy", "activations", "optimizer", "hardware"):
-        name = given.get(group) or runtime.get(group)
-        if name is None and group in ("model", "precision", "strategy") and cfg.get(group) is not None:
-            node = cfg[group]
-            name = node.get("preset" if group == "strategy" else "name")
-            if name is None and group == "strategy":  # ddp: DDPStrategy takes no preset, so it goes by its class
-                name = str(node.get("_target_", "")).rsplit(".", 1)[-1].removesuffix("Strategy").lower()
-        if name is not None and str(name) not in ("null", "None"):
-            out[group] = str(name)
-    return out
-
-
-# Overrides the planner writes itself in the printed command, from the planned values.
-_PLANNED_KEYS = (
-    "trainer.devices",
-    "trainer.num_nodes",
-    "data.batch_size",
-    "data.seq_len",
-    "trainer.accumulate_grad_batches",
-)
-
-
-def _task_overrides(cfg: DictConfig) -> list[str]:
-    """The command-line overrides of this run: ``plan.overrides`` when an API caller gives them, else Hydra's."""
-    given = _plain((cfg.get("plan") or {}).get("overrides"))
-    if given:
-        return [str(o) for o in given]
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return [str(o) for o in HydraConfig.get().overrides.task]
-    except ValueError:
-        return []
-
-
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def override_keys(cfg: DictConfig) -> set[str]:
-    """The keys this run's overrides set (``data.seq_len``, ``model``, ...), without ``+``/``~``."""
-    return {_override_key(o) for o in _task_overrides(cfg)}
 
 
 # A planned length below this share of the model's context, taken from the data preset, gets a note.
@@ -115,51 +56,6 @@ def seq_len_note(inputs: PlanInputs, default_of: str) -> str:
         f"{m.max_seq_len} tokens ({where}), and activation memory and attention FLOPs grow with the "
         f"length. To plan the length you will train at, add data.seq_len=<tokens>, e.g. data.seq_len={m.max_seq_len}."
     )
-
-
-def train_command(
-    cfg: DictConfig, choices: dict[str, str], inputs: PlanInputs, swapped: dict[str, str] | None = None
-) -> str:
-    """``python train.py`` + the user's overrides (so the same model, data and hardware compose) + the planned values.
-
-    Args:
-        cfg: the composed config.
-        choices: preset names of the planned configuration (a search winner's groups included).
-        inputs: the planned values (devices, micro-batch, sequence length, accumulation).
-        swapped: groups a search winner replaces (group -> new preset): the user's override of the group and of
-            its keys are dropped, the winner's preset is written instead.
-    """
-    swapped = swapped or {}
-    parts = ["python train.py"]
-    given = _task_overrides(cfg)
-    for o in given:
-        key = _override_key(o)
-        group = key.split(".", 1)[0]
-        if group in ("plan", "hydra") or key in _PLANNED_KEYS or group in swapped:
-            continue
-        parts.append(o)
-    present = {_override_key(o).split(".", 1)[0] for o in parts[1:] if "." not in _override_key(o)}
-    for group in ("model", "hardware", "precision", "activations", "optimizer"):
-        if group in choices and (group in swapped or group not in present):
-            parts.append(f"{group}={choices[group]}")
-    if "loss" in swapped:  # only a search that chose the loss writes it (the config's own is in the overrides)
-        parts.append(f"loss={swapped['loss']}")
-    strategy_given = "strategy" in present and "strategy" not in swapped
-    if choices.get("strategy") and inputs.layout.kind != "single" and not strategy_given:
-        parts.append(f"+strategy={choices['strategy']}")
-    parts += [
-        f"trainer.devices={inputs.devices}",
-        f"data.batch_size={inputs.micro_batch}",
-        f"data.seq_len={inputs.seq_len}",
-        f"trainer.accumulate_grad_batches={inputs.accumulate}",
-    ]
-    if inputs.num_nodes > 1:
-        parts.append(f"trainer.num_nodes={inputs.num_nodes}")
-    return " ".join(parts)
-
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def _g(n: int | float | None) -> str:
@@ -458,36 +354,3 @@ def refused_jobs(sweep_dir: Path) -> dict[str, str]:
         if isinstance(data, dict) and data.get("status") in ("refused", "failed"):
             out[metrics.parent.name] = f"{data['status']}: {data.get('error', '')}"
     return out
-
-
-class PlanSweepCheck(Callback):
-    """Hydra callback of ``plan.py -m``: list the refused jobs at the end; exit with code 2 when every job was.
-
-    Each refused job is reported as it happens and the sweep goes on; at its end the refusals are listed again, and
-    a sweep in which no job was planned exits 2, as ``train.py -m`` does when no job succeeded (Hydra does not see
-    a refusal as a failure). Registered in ``conf/plan.yaml``::
-
-        hydra:
-          callbacks:
-            plan_sweep:
-              _target_: lightning_trainopt.planner.report.PlanSweepCheck
-    """
-
-    def __init__(self) -> None:
-        self.jobs = 0
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        self.jobs += 1
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        refused = refused_jobs(sweep_dir) if sweep_dir.is_dir() else {}
-        if not refused:
-            return
-        for job, error in refused.items():
-            print(f"error: job {job} {error}", file=sys.stderr)
-        tally = f"{len(refused)} of {self.jobs} plan job(s) of {sweep_dir}"
-        print(f"error: {tally} not planned; see above.", file=sys.stderr)
-        if len(refused) >= self.jobs:
-            # Hydra turns a callback's exception into a warning; SystemExit passes its handler and sets the status.
-            raise SystemExit(2)

@@ -229,7 +229,7 @@ def search_plans(
     ):
         if global_seqs % (mb * base.data_parallel_size):
             continue
-        if lay.kind == "ddp" and base.world_size == 1:
+        if lay.ddp_buckets and base.world_size == 1:
             continue
         choices = {"precision": pn, "strategy": sn, "activations": an, "optimizer": on}
         if ln is not None:

@@ -1,16 +1,22 @@
-"""What the planner knows about a strategy, as plain data: :class:`StrategyLayout` and the ``auto`` bucket rule.
+"""What the planner knows about a strategy, as plain data: :class:`StrategyLayout`, the questions every strategy
+description answers (:class:`StrategyQuestions`) and the ``auto`` bucket rule.
 
-Its own module so that every estimate module (``model_states``, ``zero_infinity``, ...) imports it one way; the app
-and the strategy builder build it from ``cfg.strategy``.
+One strategy is described once, by ``parallel.spec.StrategySpec`` (read from the ``strategy`` node in ``config/``).
+The planner is pure and sits below ``parallel/``, so it cannot import that class (it imports Lightning to tell a
+strategy's kind); :class:`StrategyLayout` is the planner's view of a spec on a given world size, made by one
+function, ``StrategySpec.layout``, and nowhere else outside tests. The questions live here, low enough for both:
+``StrategySpec`` and :class:`StrategyLayout` inherit them, so the spec and the planner answer "does it shard the
+parameters?" with one definition, and callers ask (``spec.shards_params``) instead of testing a kind or a stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
-__all__ = ["MODEL_SIZED_BUCKET_CAP", "StrategyLayout", "model_sized_bucket"]
+__all__ = ["MODEL_SIZED_BUCKET_CAP", "StrategyLayout", "StrategyQuestions", "model_sized_bucket"]
 
 _KINDS = ("single", "ddp", "fsdp", "deepspeed")
 _PLACES = ("none", "cpu", "nvme")
@@ -28,8 +34,99 @@ def model_sized_bucket(n_params: int, cap: int = MODEL_SIZED_BUCKET_CAP) -> int:
     return max(1, min(int(cap), int(n_params)))
 
 
+class StrategyQuestions:
+    """What a strategy does, asked instead of testing its kind or ZeRO stage.
+
+    Answered from four attributes the inheriting dataclass has: ``kind`` (``ddp``, ``fsdp``, ``deepspeed``; any other
+    kind shards and offloads nothing), ``zero_stage`` (0-3; DeepSpeed only), ``offload_optimizer`` and
+    ``offload_params`` (``none``, ``cpu``, ``nvme``).
+    """
+
+    kind: str
+    offload_optimizer: str
+    offload_params: str
+    if TYPE_CHECKING:  # a field of StrategyLayout, a property of StrategySpec: declared for the type checker only
+
+        @property
+        def zero_stage(self) -> int: ...
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Each rank keeps 1/world of the optimizer states (FSDP, ZeRO-1/2/3)."""
+        return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage >= 1)
+
+    @property
+    def shards_grads(self) -> bool:
+        """Each rank keeps 1/world of the gradients after reduction (FSDP, ZeRO-2/3)."""
+        return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage >= 2)
+
+    @property
+    def shards_params(self) -> bool:
+        """Each rank keeps 1/world of the parameters (FSDP, ZeRO-3)."""
+        return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage == 3)
+
+    @property
+    def gathers_for_forward(self) -> bool:
+        """Parameters are all-gathered unit by unit for forward (and again for backward): they are sharded."""
+        return self.shards_params
+
+    @property
+    def reduces_at_boundary(self) -> bool:
+        """Gradients are reduced (and ``.grad`` freed) only at the accumulation boundary, so whole half-precision
+        gradients accumulate between boundaries (ZeRO-1); every other sharding reduces each micro-batch."""
+        return self.shards_optimizer and not self.shards_grads
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """Optimizer states (and the fp32 master weights) live on the CPU or NVMe."""
+        return self.offload_optimizer != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        """Parameters live on the CPU or NVMe between uses."""
+        return self.offload_params != "none"
+
+    @property
+    def offloads_to_nvme(self) -> bool:
+        """Optimizer states or parameters swap to NVMe (ZeRO-Infinity)."""
+        return "nvme" in (self.offload_optimizer, self.offload_params)
+
+    @property
+    def flat_partitions(self) -> bool:
+        """The engine flattens the parameters of each group into one buffer and partitions that (DeepSpeed ZeRO);
+        FSDP2 shards each parameter instead (:attr:`shards_each_param`)."""
+        return self.kind == "deepspeed" and self.zero_stage >= 1
+
+    @property
+    def shards_each_param(self) -> bool:
+        """Each parameter is its own sharded tensor (FSDP2 DTensors, FSDP1 flat units per module)."""
+        return self.kind == "fsdp"
+
+    @property
+    def ddp_buckets(self) -> bool:
+        """DDP wraps the model and allocates gradient buckets as large as the model, on any world size."""
+        return self.kind == "ddp"
+
+    @property
+    def wraps_in_engine(self) -> bool:
+        """The model is handed to an engine (DeepSpeed) that owns its training step: Lightning gives it a
+        half-precision module for ``-mixed`` as for ``-true`` (nothing autocasts), and the engine scales the loss,
+        fixes gradient accumulation at start-up and steps the optimizer."""
+        return self.kind == "deepspeed"
+
+    @property
+    def own_precision_plugin(self) -> bool:
+        """The strategy needs its own Lightning precision plugin (DeepSpeedPrecision, FSDPPrecision)."""
+        return self.kind in ("deepspeed", "fsdp")
+
+    @property
+    def steps_cpu_adam(self) -> bool:
+        """The optimizer steps on the CPU in DeepSpeed's CPU Adam (ZeRO-Offload), not the client optimizer."""
+        return self.wraps_in_engine and self.offloads_optimizer
+
+
 @dataclass(frozen=True)
-class StrategyLayout:
+class StrategyLayout(StrategyQuestions):
     """What the planner needs to know about a strategy (plain data, built from ``cfg.strategy``).
 
     Args:
@@ -100,13 +197,15 @@ class StrategyLayout:
         for key in ("offload_optimizer", "offload_params"):
             if getattr(self, key) not in _PLACES:
                 raise ConfigError(f"strategy.{key}", getattr(self, key), f"use one of {', '.join(_PLACES)}.")
-        if self.offload_params != "none" and not (self.kind == "fsdp" or self.zero_stage == 3):
+        if self.offloads_params and not self.shards_params:
             raise IncompatibleConfigError(
                 {"strategy": self.name, "offload_params": self.offload_params},
                 "parameter offload exists only in ZeRO-3 and FSDP.",
                 "use +strategy=zero3_offload or +strategy=fsdp_offload.",
             )
-        if "nvme" in (self.offload_optimizer, self.offload_params) and self.zero_stage != 3:
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not (
+            self.flat_partitions and self.shards_params
+        ):
             raise IncompatibleConfigError(
                 {"strategy": self.name, "offload": "nvme"},
                 "NVMe offload (ZeRO-Infinity) exists only in ZeRO-3.",
@@ -114,5 +213,6 @@ class StrategyLayout:
             )
 
     @property
-    def world_sharded(self) -> bool:
-        return self.kind in ("fsdp", "deepspeed")
+    def has_strategy(self) -> bool:
+        """A ``+strategy`` runs (``single``: one device, Lightning's default, none)."""
+        return self.kind != "single"

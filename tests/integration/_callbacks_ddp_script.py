@@ -32,7 +32,7 @@ def _strategy(name: str, ours: bool = True) -> object:
         return "ddp"
     from omegaconf import OmegaConf
 
-    from lightning_trainopt.parallel import build_strategy
+    from lightning_trainopt.config.strategy import build_strategy
     from lightning_trainopt.precision import PrecisionSpec
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")

@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from lightning_trainopt.config.strategy import build_strategy  # noqa: E402
 from lightning_trainopt.data import TextDataModule  # noqa: E402
 from lightning_trainopt.models import GPTConfig, LitGPT  # noqa: E402
-from lightning_trainopt.parallel import build_strategy  # noqa: E402
 from lightning_trainopt.precision import PrecisionSpec  # noqa: E402
 from lightning_trainopt.precision.plugins import trainer_precision_kwargs  # noqa: E402
 

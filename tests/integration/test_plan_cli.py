@@ -101,7 +101,7 @@ def test_a_plan_sweep_exits_non_zero_only_when_no_job_was_planned(tmp_path, devi
         "plan.format=json",
         f"hydra.sweep.dir={tmp_path}",
         # conf/plan.yaml registers this callback; `++` also works once it does.
-        "++hydra.callbacks.plan_sweep._target_=lightning_trainopt.planner.report.PlanSweepCheck",
+        "++hydra.callbacks.plan_sweep._target_=lightning_trainopt.config.plan_command.PlanSweepCheck",
     )
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "job 0 refused: trainer.devices=0 is invalid" in proc.stderr

@@ -8,6 +8,7 @@ import torch
 
 from lightning_trainopt.callbacks.micro_batch_finder import MicroBatchFinder
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.parallel.spec import StrategySpec, parse_strategy
 from tests.helpers.runif import RunIf
 from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 
@@ -20,6 +21,11 @@ class BatchSizes(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         self.sizes.append(int(batch[0].shape[0]))
         self.accumulate.append(trainer.accumulate_grad_batches)
+
+
+def _zero(stage: int) -> StrategySpec:
+    """The spec of a DeepSpeed strategy at ZeRO ``stage``, as a fake strategy carries it (``spec_of`` reads it)."""
+    return parse_strategy({"_target_": "lightning_trainopt.parallel.TrainOptDeepSpeedStrategy", "stage": stage})
 
 
 def _fit(finder: MicroBatchFinder, batch_size: int = 8, accumulate: int = 1, steps: int = 1) -> BatchSizes:
@@ -285,7 +291,7 @@ def test_deepspeed_master_partitions_are_not_divided_twice() -> None:
     partition = torch.zeros(2048, requires_grad=True)  # rank 0's half, as DeepSpeed builds it
     optimizer = torch.optim.AdamW([partition], lr=1e-3)
     engine = SimpleNamespace(basic_optimizer=optimizer)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, zero_stage=2), world_size=2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, spec=_zero(2)), world_size=2)
     got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
     params, grads = 4 * 4096, 4 * 4096 // 2  # ZeRO-2 shards gradients
     states = 8 * 2048 + 4 + 4 * 2048  # two fp32 moments + step, and the fp32 master partition
@@ -402,7 +408,7 @@ def test_zero_stage_and_world_size_shard_states_from_stage_1_and_gradients_from_
 
     layer = torch.nn.Linear(64, 64, bias=False)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(zero_stage=stage), optimizers=[optimizer], world_size=world)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(spec=_zero(stage)), optimizers=[optimizer], world_size=world)
     got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
     assert got == 16_384 + grads + states
 
@@ -417,7 +423,7 @@ def test_deepspeed_zero1_master_partitions_keep_whole_gradients():
     partition = torch.zeros(2048, requires_grad=True)
     optimizer = torch.optim.AdamW([partition], lr=1e-3)
     engine = SimpleNamespace(basic_optimizer=optimizer)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, zero_stage=1), world_size=2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, spec=_zero(1)), world_size=2)
     got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
     assert got == 4 * 4096 + 4 * 4096 + (8 * 2048 + 4 + 4 * 2048)
 
@@ -433,6 +439,6 @@ def test_zero3_gradient_partitions_are_divided_once():
     partition = torch.zeros(2048, requires_grad=True)
     optimizer = torch.optim.AdamW([partition], lr=1e-3)
     engine = SimpleNamespace(basic_optimizer=optimizer)
-    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, zero_stage=3), world_size=2)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine, spec=_zero(3)), world_size=2)
     got = MicroBatchFinder(budget_bytes=2**40)._model_state_bytes(trainer, layer)  # type: ignore[arg-type]
     assert got == 4 * 2048 + 4 * 2048 + (8 * 2048 + 4 + 4 * 2048)

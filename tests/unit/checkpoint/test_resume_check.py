@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_trainopt.checkpoint.resume_check import check_resume
+from lightning_trainopt.config.resume import check_resume_from_cfg
 from lightning_trainopt.exceptions import ConfigError
 
 STATE = {
@@ -46,14 +46,14 @@ def _cfg(devices=2, batch_size=2, callbacks=None):
 def test_another_global_batch_mid_epoch_is_refused_naming_the_batch_that_resumes(tmp_path, layout):
     ckpt = _checkpoint(tmp_path, layout, STATE)
     with pytest.raises(ConfigError) as err:
-        check_resume(_cfg(devices=1, batch_size=2), ckpt, 1)
+        check_resume_from_cfg(_cfg(devices=1, batch_size=2), ckpt, 1)
     assert err.value.key == "data.batch_size"
     assert "resume with data.batch_size=4 on 1 rank" in str(err.value)
 
 
 @pytest.mark.parametrize(("devices", "batch_size"), [(2, 2), (1, 4), (4, 1)])
 def test_the_same_global_batch_on_any_number_of_ranks_resumes(tmp_path, devices, batch_size):
-    check_resume(_cfg(devices=devices, batch_size=batch_size), _checkpoint(tmp_path, "file", STATE), devices)
+    check_resume_from_cfg(_cfg(devices=devices, batch_size=batch_size), _checkpoint(tmp_path, "file", STATE), devices)
 
 
 @pytest.mark.parametrize(
@@ -64,9 +64,9 @@ def test_the_same_global_batch_on_any_number_of_ranks_resumes(tmp_path, devices,
     ],
 )
 def test_a_position_at_an_epoch_boundary_resumes_with_any_batch(tmp_path, state):
-    check_resume(_cfg(devices=1, batch_size=3), _checkpoint(tmp_path, "file", state), 1)
+    check_resume_from_cfg(_cfg(devices=1, batch_size=3), _checkpoint(tmp_path, "file", state), 1)
 
 
 def test_a_micro_batch_chosen_at_run_time_is_left_to_the_loader(tmp_path):
     finder = {"micro_batch_finder": {"_target_": "lightning_trainopt.callbacks.MicroBatchFinder"}}
-    check_resume(_cfg(devices=1, batch_size=2, callbacks=finder), _checkpoint(tmp_path, "file", STATE), 1)
+    check_resume_from_cfg(_cfg(devices=1, batch_size=2, callbacks=finder), _checkpoint(tmp_path, "file", STATE), 1)

@@ -12,11 +12,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.config.keys import key_problems
+from lightning_trainopt.config.plan_command import plan_choices
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigKeysError
 from lightning_trainopt.launch import cli
 from lightning_trainopt.launch.cli import CONFIG_DIR
-from lightning_trainopt.planner.report import plan_choices
 from tests.helpers.compose import compose_config
 
 CONF = Path(CONFIG_DIR)

@@ -13,6 +13,7 @@ from lightning_trainopt.config.preflight import (
     size_advice,
 )
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.parallel.spec import parse_strategy
 
 
 def preset(name):
@@ -20,13 +21,18 @@ def preset(name):
 
 
 def test_plain_bf16_zero2_passes():
-    assert preflight(PreflightInput(strategy=preset("zero2"), precision="bf16-mixed", accelerator="cpu")) == []
+    assert (
+        preflight(PreflightInput(strategy=parse_strategy(preset("zero2")), precision="bf16-mixed", accelerator="cpu"))
+        == []
+    )
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp"])
 def test_fp8_with_sharding_refused(name):
     with pytest.raises(IncompatibleConfigError, match="18820"):
-        preflight(PreflightInput(strategy=preset(name), precision="transformer-engine", accelerator="gpu"))
+        preflight(
+            PreflightInput(strategy=parse_strategy(preset(name)), precision="transformer-engine", accelerator="gpu")
+        )
 
 
 def test_fp8_refusal_matches_lightning_behaviour():
@@ -38,34 +44,52 @@ def test_fp8_refusal_matches_lightning_behaviour():
 
 
 def test_fp8_with_ddp_allowed():
-    preflight(PreflightInput(strategy=preset("ddp"), precision="transformer-engine", accelerator="gpu"))
+    preflight(PreflightInput(strategy=parse_strategy(preset("ddp")), precision="transformer-engine", accelerator="gpu"))
 
 
 @pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
 def test_8bit_optimizer_with_offload_refused(name):
     with pytest.raises(IncompatibleConfigError, match="6666"):
         preflight(
-            PreflightInput(strategy=preset(name), optimizer_target="bitsandbytes.optim.AdamW8bit", accelerator="cpu")
+            PreflightInput(
+                strategy=parse_strategy(preset(name)),
+                optimizer_target="bitsandbytes.optim.AdamW8bit",
+                accelerator="cpu",
+            )
         )
 
 
 def test_8bit_optimizer_with_fsdp_refused_but_kept_under_zero():
     with pytest.raises(IncompatibleConfigError, match="DTensor"):
         preflight(
-            PreflightInput(strategy=preset("fsdp"), optimizer_target="bitsandbytes.optim.AdamW8bit", accelerator="cpu")
+            PreflightInput(
+                strategy=parse_strategy(preset("fsdp")),
+                optimizer_target="bitsandbytes.optim.AdamW8bit",
+                accelerator="cpu",
+            )
         )
     for name in ("zero1", "zero2", "zero3"):
         preflight(
-            PreflightInput(strategy=preset(name), optimizer_target="bitsandbytes.optim.AdamW8bit", accelerator="cpu")
+            PreflightInput(
+                strategy=parse_strategy(preset(name)),
+                optimizer_target="bitsandbytes.optim.AdamW8bit",
+                accelerator="cpu",
+            )
         )
 
 
 def test_non_adam_with_offload_refused_and_adam_allowed():
     with pytest.raises(IncompatibleConfigError, match="ZeRORuntimeException"):
         preflight(
-            PreflightInput(strategy=preset("zero2_offload"), optimizer_target="torch.optim.SGD", accelerator="cpu")
+            PreflightInput(
+                strategy=parse_strategy(preset("zero2_offload")), optimizer_target="torch.optim.SGD", accelerator="cpu"
+            )
         )
-    preflight(PreflightInput(strategy=preset("zero2_offload"), optimizer_target="torch.optim.AdamW", accelerator="cpu"))
+    preflight(
+        PreflightInput(
+            strategy=parse_strategy(preset("zero2_offload")), optimizer_target="torch.optim.AdamW", accelerator="cpu"
+        )
+    )
 
 
 def test_deepspeed_json_with_its_own_optimizer_and_offload_allowed():
@@ -76,21 +100,21 @@ def test_deepspeed_json_with_its_own_optimizer_and_offload_allowed():
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
         },
     }
-    preflight(PreflightInput(strategy=strategy, optimizer_target="torch.optim.SGD", accelerator="cpu"))
+    preflight(PreflightInput(strategy=parse_strategy(strategy), optimizer_target="torch.optim.SGD", accelerator="cpu"))
 
 
 def test_gradient_accumulation_scheduler_with_deepspeed_refused():
     with pytest.raises(IncompatibleConfigError, match="GradientAccumulationScheduler"):
         preflight(
             PreflightInput(
-                strategy=preset("zero1"),
+                strategy=parse_strategy(preset("zero1")),
                 callback_targets=("lightning.pytorch.callbacks.GradientAccumulationScheduler",),
                 accelerator="cpu",
             )
         )
     preflight(
         PreflightInput(
-            strategy=preset("ddp"),
+            strategy=parse_strategy(preset("ddp")),
             callback_targets=("lightning.pytorch.callbacks.GradientAccumulationScheduler",),
             accelerator="cpu",
         )
@@ -100,19 +124,19 @@ def test_gradient_accumulation_scheduler_with_deepspeed_refused():
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
 def test_fp16_on_cpu_refused(precision):
     with pytest.raises(IncompatibleConfigError, match="bf16"):
-        preflight(PreflightInput(strategy=None, precision=precision, accelerator="cpu"))
+        preflight(PreflightInput(strategy=parse_strategy(None), precision=precision, accelerator="cpu"))
 
 
 def test_fp16_on_gpu_allowed():
-    preflight(PreflightInput(strategy=preset("zero2"), precision="16-mixed", accelerator="gpu"))
+    preflight(PreflightInput(strategy=parse_strategy(preset("zero2")), precision="16-mixed", accelerator="gpu"))
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_offload"])
 def test_fp16_amp_with_fsdp2_refused_on_gpu(name):
     with pytest.raises(IncompatibleConfigError, match="ModelParallelStrategy") as err:
-        preflight(PreflightInput(strategy=preset(name), precision="16-mixed", accelerator="gpu"))
+        preflight(PreflightInput(strategy=parse_strategy(preset(name)), precision="16-mixed", accelerator="gpu"))
     assert err.value.keys == {"precision": "16-mixed", "strategy": name}
-    preflight(PreflightInput(strategy=preset(name), precision="bf16-mixed", accelerator="gpu"))
+    preflight(PreflightInput(strategy=parse_strategy(preset(name)), precision="bf16-mixed", accelerator="gpu"))
 
 
 def test_fp16_fsdp2_refusal_matches_lightning_behaviour():
@@ -129,18 +153,18 @@ def test_nvme_without_async_io_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(pf, "_async_io_ok", lambda: False)
     strategy = {**preset("zero_infinity"), "nvme_path": str(tmp_path)}
     with pytest.raises(IncompatibleConfigError, match="libaio"):
-        preflight(PreflightInput(strategy=strategy, accelerator="cpu"))
+        preflight(PreflightInput(strategy=parse_strategy(strategy), accelerator="cpu"))
 
 
 def test_nvme_path_checks(monkeypatch, tmp_path):
     monkeypatch.setattr(pf, "_async_io_ok", lambda: True)
     missing = {**preset("zero_infinity"), "nvme_path": str(tmp_path / "nope")}
     with pytest.raises(ConfigError, match="strategy.nvme_path"):
-        preflight(PreflightInput(strategy=missing, accelerator="cpu"))
+        preflight(PreflightInput(strategy=parse_strategy(missing), accelerator="cpu"))
     ok = {**preset("zero_infinity"), "nvme_path": str(tmp_path)}
     monkeypatch.setattr(pf.os, "access", lambda path, mode: False)
     with pytest.raises(ConfigError, match="not writable"):
-        preflight(PreflightInput(strategy=ok, accelerator="cpu"))
+        preflight(PreflightInput(strategy=parse_strategy(ok), accelerator="cpu"))
     monkeypatch.undo()
     monkeypatch.setattr(pf, "_async_io_ok", lambda: True)
 
@@ -149,8 +173,8 @@ def test_nvme_path_checks(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: Usage)
     with pytest.raises(ConfigError, match="GiB free"):
-        preflight(PreflightInput(strategy=ok, accelerator="cpu", n_params=7_000_000_000))
-    preflight(PreflightInput(strategy=ok, accelerator="cpu", n_params=1_000_000))
+        preflight(PreflightInput(strategy=parse_strategy(ok), accelerator="cpu", n_params=7_000_000_000))
+    preflight(PreflightInput(strategy=parse_strategy(ok), accelerator="cpu", n_params=1_000_000))
 
 
 def test_nvme_paths_of_a_users_json_are_each_checked_under_their_own_key(monkeypatch, tmp_path):
@@ -167,31 +191,44 @@ def test_nvme_paths_of_a_users_json_are_each_checked_under_their_own_key(monkeyp
         return {**preset("deepspeed_json"), "config": {"zero_optimization": zero}}
 
     with pytest.raises(ConfigError) as err:
-        preflight(PreflightInput(strategy=strategy(tmp_path / "nope"), accelerator="cpu"))
+        preflight(PreflightInput(strategy=parse_strategy(strategy(tmp_path / "nope")), accelerator="cpu"))
     assert err.value.key == "strategy.config.zero_optimization.offload_param.nvme_path"
     # Each drive needs room for what goes to it: 12 B/param of optimizer states on a, 2 B/param of weights on b.
     n_params = 1_000_000_000
     free = {str(tmp_path / "a"): 12 * n_params, str(tmp_path / "b"): 2 * n_params}
     monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: type("Usage", (), {"free": free[str(path)]}))
-    preflight(PreflightInput(strategy=strategy(tmp_path / "b"), accelerator="cpu", n_params=n_params))
+    preflight(PreflightInput(strategy=parse_strategy(strategy(tmp_path / "b")), accelerator="cpu", n_params=n_params))
     free[str(tmp_path / "b")] -= 1
     with pytest.raises(ConfigError, match="GiB free") as err:
-        preflight(PreflightInput(strategy=strategy(tmp_path / "b"), accelerator="cpu", n_params=n_params))
+        preflight(
+            PreflightInput(strategy=parse_strategy(strategy(tmp_path / "b")), accelerator="cpu", n_params=n_params)
+        )
     assert err.value.key == "strategy.config.zero_optimization.offload_param.nvme_path"
 
 
 def test_fsdp1_on_cpu_refused():
     strategy = {"_target_": "lightning.pytorch.strategies.FSDPStrategy", "name": "fsdp1"}
     with pytest.raises(IncompatibleConfigError, match="non-CPU"):
-        preflight(PreflightInput(strategy=strategy, accelerator="cpu"))
+        preflight(PreflightInput(strategy=parse_strategy(strategy), accelerator="cpu"))
 
 
 def test_size_advice_warns_only_far_from_rule_of_thumb():
-    assert "ddp" in size_advice(125_000_000, "zero3_offload", {"optimizer": "cpu", "param": "cpu"})
-    assert size_advice(125_000_000, "ddp") is None
-    assert size_advice(3_000_000_000, "zero2") is None
-    assert "may not fit" in size_advice(30_000_000_000, "ddp")
-    advice = preflight(PreflightInput(strategy=preset("zero3_offload"), accelerator="cpu", n_params=125_000_000))
+    def spec(name):
+        return parse_strategy(preset(name))
+
+    assert "ddp" in size_advice(125_000_000, spec("zero3_offload"))
+    assert "ddp" in size_advice(125_000_000, spec("zero2_offload"))  # offload alone is far from the rule below 1B
+    assert size_advice(125_000_000, spec("ddp")) is None
+    assert size_advice(3_000_000_000, spec("zero2")) is None
+    assert "zero2" in size_advice(3_000_000_000, spec("zero_infinity"))
+    assert "may not fit" in size_advice(30_000_000_000, spec("ddp"))
+    assert "may not fit" in size_advice(30_000_000_000, spec("zero1"))
+    assert size_advice(30_000_000_000, spec("zero2")) is None
+    assert "may not fit" in size_advice(300_000_000_000, spec("zero2"))
+    assert size_advice(300_000_000_000, spec("fsdp")) is None
+    advice = preflight(
+        PreflightInput(strategy=parse_strategy(preset("zero3_offload")), accelerator="cpu", n_params=125_000_000)
+    )
     assert len(advice) == 1
 
 

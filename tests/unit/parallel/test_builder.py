@@ -4,8 +4,10 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
+from lightning_trainopt.config.strategy import build_strategy
+from lightning_trainopt.config.tree import CONF_DIR
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, build_strategy, preset_name
+from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, preset_name
 from lightning_trainopt.precision import PrecisionSpec
 
 BF16 = PrecisionSpec(name="bf16", trainer_precision="bf16-mixed")
@@ -14,7 +16,7 @@ TRAINER = {"accumulate_grad_batches": 1, "gradient_clip_val": 1.0}
 
 
 def preset(name):
-    return OmegaConf.load(f"lightning_trainopt/conf/strategy/{name}.yaml")
+    return OmegaConf.load(CONF_DIR / "strategy" / f"{name}.yaml")
 
 
 def test_none_is_auto():
@@ -142,16 +144,12 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
 
     from omegaconf import OmegaConf
 
+    from lightning_trainopt.config.strategy import build_strategy
     from lightning_trainopt.exceptions import MissingDependencyError
-    from lightning_trainopt.parallel import build_strategy
     from lightning_trainopt.precision import PrecisionSpec
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed now raises ImportError
-    from pathlib import Path
-
-    node = OmegaConf.load(
-        Path(__file__).resolve().parents[3] / "lightning_trainopt" / "conf" / "strategy" / "zero3.yaml"
-    )
+    node = OmegaConf.load(CONF_DIR / "strategy" / "zero3.yaml")
     with pytest.raises(MissingDependencyError, match=r"pip install torch==[0-9.]+ -e \"\.\[deepspeed\]\""):
         build_strategy(node, PrecisionSpec(name="fp32", trainer_precision="32-true"), None, micro_batch_size=4)
 

@@ -14,7 +14,7 @@ from tests.helpers.compose import REPO_ROOT, compose_config
 
 pytest.importorskip("deepspeed")
 
-from lightning_trainopt.parallel import build_strategy  # noqa: E402
+from lightning_trainopt.config.strategy import build_strategy  # noqa: E402
 
 BF16 = PrecisionSpec(name="bf16", trainer_precision="bf16-mixed")
 TRAINER = {"accumulate_grad_batches": 1, "gradient_clip_val": 1.0}

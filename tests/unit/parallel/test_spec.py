@@ -79,7 +79,7 @@ def test_the_strategy_train_py_builds_means_what_the_preset_parses_to(name):
     # Lightning writes the DeepSpeed config from the keyword arguments; the spec reads the same arguments without
     # building anything. Both must agree, including the defaults neither the preset nor the user gives.
     pytest.importorskip("deepspeed")
-    from lightning_trainopt.parallel import build_strategy
+    from lightning_trainopt.config.strategy import build_strategy
     from lightning_trainopt.precision import PrecisionSpec
 
     node = _preset(name)

@@ -8,8 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_trainopt.config.plan import plan, plan_task
+from lightning_trainopt.config.plan_command import PlanSweepCheck
 from lightning_trainopt.planner import LOCATIONS
-from lightning_trainopt.planner.report import PlanSweepCheck, refused_jobs
+from lightning_trainopt.planner.report import refused_jobs
 from tests.helpers.compose import compose_config
 
 ZERO2 = ["model=llama_7b", "hardware=a100_80gb", "trainer.devices=4", "+strategy=zero2", "precision=bf16"]

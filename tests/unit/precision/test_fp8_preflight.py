@@ -5,6 +5,7 @@ import torch
 
 from lightning_trainopt.config.preflight import PreflightInput, check_packages, preflight, required_packages
 from lightning_trainopt.exceptions import IncompatibleConfigError, MissingDependencyError
+from lightning_trainopt.parallel.spec import parse_strategy
 from tests.helpers.compose import compose_config
 
 
@@ -68,7 +69,7 @@ def test_fp8_combines_with_every_strategy(strategy):
 def test_lightnings_own_transformer_engine_plugin_is_still_refused_with_deepspeed():
     node = {"_target_": "lightning_trainopt.parallel.TrainOptDeepSpeedStrategy", "stage": 2, "preset": "zero2"}
     with pytest.raises(IncompatibleConfigError, match="precision=fp8"):
-        preflight(PreflightInput(strategy=node, precision="transformer-engine", accelerator="gpu"))
+        preflight(PreflightInput(strategy=parse_strategy(node), precision="transformer-engine", accelerator="gpu"))
 
 
 def test_fp8_preset_is_read_from_the_config():
