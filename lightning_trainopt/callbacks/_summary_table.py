@@ -22,6 +22,7 @@ _HEADLINE = (
     ("global_step", "optimizer steps"),
     ("train_loss", "final train loss"),
     ("val_loss", "val loss"),
+    ("final_validation", "final validation"),
     ("tokens_seen", "tokens seen"),
     ("tokens_per_sec", "tokens/s (all ranks)"),
     ("wall_seconds", "wall time (s)"),
