@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 __all__ = ["callback_summaries", "format_bytes", "print_summary", "summary_rows"]
@@ -22,6 +23,7 @@ _HEADLINE = (
     ("global_step", "optimizer steps"),
     ("train_loss", "final train loss"),
     ("val_loss", "val loss"),
+    ("final_validation", "final validation"),
     ("tokens_seen", "tokens seen"),
     ("tokens_per_sec", "tokens/s (all ranks)"),
     ("wall_seconds", "wall time (s)"),
@@ -192,6 +194,25 @@ def _non_finite(n: dict[str, Any]) -> str:
     )
 
 
+def _precision_layers(p: dict[str, Any]) -> str:
+    fp32 = f"{p['fp32_modules']} modules in fp32" if p.get("fp32_modules") else None
+    if p.get("backend") is None:
+        return _join(fp32)
+    how = f"{p['backend']} {p['recipe']}" + (", emulated" if p.get("emulated") else "")
+    if p.get("warning"):
+        # An FP8 run that converted nothing trains without FP8: say it first, with the causes and their settings.
+        return _join(f"FP8 ({how}): {p['warning']}", fp32)
+    left_out = [
+        f"{e['layers']} {e['why']}" + (f" (change: {e['change']})" if e.get("change") else "")
+        for e in p.get("not_fp8") or []
+    ]
+    return _join(
+        f"FP8 ({how}): {p['fp8_layers']} linear layers ({_pct(p.get('fp8_weight_fraction'))} of their weights)",
+        *(f"not FP8: {part}" for part in left_out),
+        fp32,
+    )
+
+
 # Sections the project's callbacks add, each shown as one curated line (label, formatter); anything else a
 # callback adds is shown generically. Every figure stays in metrics.json.
 _SECTIONS: dict[str, tuple[str, Any]] = {
@@ -203,6 +224,7 @@ _SECTIONS: dict[str, tuple[str, Any]] = {
     "memory_snapshot": ("memory snapshot", _snapshot),
     "activation_checkpointing": ("checkpointing", _checkpointing),
     "non_finite": ("non-finite guard", _non_finite),
+    "precision_layers": ("precision layers", _precision_layers),
 }
 _HIDDEN = {
     "trainer_precision",
@@ -260,7 +282,8 @@ def print_summary(metrics: dict[str, Any], metrics_path: Path | None = None, con
     table.add_column("metric", style="bold")
     table.add_column("value", overflow="fold")
     for label, value in summary_rows(metrics):
-        table.add_row(label, value)
+        # Values are plain text: a "[...]" in one (a list, a glob) is not rich markup.
+        table.add_row(label, escape(value))
     console = console or Console()
     console.print(table)
     if metrics_path is not None:

@@ -17,9 +17,10 @@ class PrecisionReport(Callback):
     """Reads the conversion report of our precision plugin once the strategy has set the model up.
 
     ``summary()`` returns ``{"precision_layers": {"backend", "recipe", "emulated", "fsdp_float8_all_gather",
-    "fp8_layers", "bf16_layers", "fp32_modules", "fp8_weight_fraction", "layers": [{"name", "kind", "shape",
-    "action", "reason"}, ...]}}`` (metrics.json), or nothing when the precision preset changes no layer (plain bf16,
-    fp32, fp16). The plugin itself logs the same on rank 0 when it converts.
+    "fp8_layers", "bf16_layers", "fp32_modules", "fp8_weight_fraction", "not_fp8": [{"cause", "layers", "why",
+    "change"}, ...], "warning", "layers": [{"name", "kind", "shape", "action", "reason", "cause"}, ...]}}``
+    (metrics.json), or nothing when the precision preset changes no layer (plain bf16, fp32, fp16). ``warning`` says
+    so when an FP8 preset converted no layer. The plugin itself logs the same on rank 0 when it converts.
 
     Example::
 

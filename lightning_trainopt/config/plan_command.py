@@ -7,6 +7,7 @@ these functions read.
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,8 @@ def train_command(
             its keys are dropped, the winner's preset is written instead.
     """
     swapped = swapped or {}
-    parts = ["python train.py"]
+    # Run as trainopt-plan (an installed wheel, no train.py at hand): the command is trainopt-train.
+    parts = ["trainopt-train" if Path(sys.argv[0]).name == "trainopt-plan" else "python train.py"]
     given = _task_overrides(cfg)
     for o in given:
         key = _override_key(o)
@@ -119,7 +121,23 @@ def train_command(
     ]
     if inputs.num_nodes > 1:
         parts.append(f"trainer.num_nodes={inputs.num_nodes}")
-    return " ".join(parts)
+    return " ".join([parts[0], *_config_dirs(), *parts[1:]])
+
+
+def _config_dirs() -> list[str]:
+    """The user's config directories (``--config-dir``, ``hydra.searchpath``), so the command finds their presets."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hydra_cfg = HydraConfig.get()
+    except ValueError:
+        return []
+    dirs = [
+        f"--config-dir {shlex.quote(s.path)}" for s in hydra_cfg.runtime.config_sources if s.provider == "command-line"
+    ]
+    return dirs + [
+        shlex.quote(str(o)) for o in hydra_cfg.overrides.hydra if _override_key(str(o)) == "hydra.searchpath"
+    ]
 
 
 class PlanSweepCheck(Callback):

@@ -237,35 +237,24 @@ def _measurer(
         if not gpt or kind == "standard":
             return profile.activations
         shape: Any = module.config
-        if kind == "chunked":
 
-            def chunked(
-                micro_batch: int,
-                seq_len: int,
-                compute_bytes: int,
-                autocast: bool,
-                policy: ActivationPolicy,
-                attention: str,
-            ) -> MemoryEstimate:
-                # The measured output (the loss, a scalar) holds nothing; backward holds one chunk's logits (derived).
-                acts = profile.activations(micro_batch, seq_len, compute_bytes, autocast, policy, attention)
-                loss = LossPlan("chunked_ce", "chunked", chunk)
-                return acts + MemoryEstimate.of([loss_transient(shape, micro_batch * seq_len, compute_bytes, loss)])
-
-            return chunked
-
-        def liger(
+        def with_head_loss(
             micro_batch: int,
             seq_len: int,
             compute_bytes: int,
             autocast: bool,
             policy: ActivationPolicy,
             attention: str,
-        ) -> MemoryEstimate:  # pragma: no cover - liger needs CUDA
+        ) -> MemoryEstimate:
             acts = profile.activations(micro_batch, seq_len, compute_bytes, autocast, policy, attention)
-            weight_bytes = 2 if compute_bytes == 2 and not autocast else 4
-            return _liger_delta(acts, shape.d_model, shape.vocab_size, micro_batch * seq_len, weight_bytes)
+            tokens = micro_batch * seq_len
+            if kind == "chunked":
+                # The measured output (the loss, a scalar) holds nothing; backward holds one chunk's logits (derived).
+                loss = LossPlan("chunked_ce", "chunked", chunk)
+                return acts + MemoryEstimate.of([loss_transient(shape, tokens, compute_bytes, loss)])
+            weight_bytes = 2 if compute_bytes == 2 and not autocast else 4  # pragma: no cover - liger needs CUDA
+            return _liger_delta(acts, shape.d_model, shape.vocab_size, tokens, weight_bytes)  # pragma: no cover
 
-        return liger
+        return with_head_loss
 
     return for_loss

@@ -3,6 +3,7 @@
 from lightning_trainopt.data.corpus import ByteTokenizer
 from lightning_trainopt.data.datamodule import PackedSequences, TextDataModule
 from lightning_trainopt.data.manifest import Manifest, Shard
+from lightning_trainopt.data.packed_datamodule import PackedDataModule
 from lightning_trainopt.data.packed_tokens import PackedTokens
 from lightning_trainopt.data.prepare import prepare_corpus
 from lightning_trainopt.data.resumable_loader import ResumableDataLoader
@@ -16,6 +17,7 @@ __all__ = [
     "ByteTokenizer",
     "LocalTokenizer",
     "Manifest",
+    "PackedDataModule",
     "PackedSequences",
     "PackedTokens",
     "ResumableDataLoader",

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_trainopt.data.corpus import read_text_corpus, stdlib_files, user_text_files
-from lightning_trainopt.data.loader_options import check_loader_options, loader_kwargs
-from lightning_trainopt.data.resumable_loader import ResumableDataLoader
+from lightning_trainopt.data.packed_datamodule import PackedDataModule
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["PackedSequences", "TextDataModule"]
@@ -35,7 +33,7 @@ class PackedSequences(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-class TextDataModule(pl.LightningDataModule):
+class TextDataModule(PackedDataModule):
     """Packed byte-level language-modelling data.
 
     Args:
@@ -52,13 +50,16 @@ class TextDataModule(pl.LightningDataModule):
             takes effect on CUDA.
         seed: seed of the synthetic tokens and of the training shuffle (epoch ``e`` is shuffled with ``seed + e``).
 
-    The training loader is a :class:`ResumableDataLoader`: it shards the data over the strategy's data-parallel
-    ranks itself, and a checkpoint saves its position in the epoch, so a run killed mid-epoch resumes exactly.
+    The loaders are :class:`PackedDataModule`'s: the training loader is resumable mid-epoch and sharded over the
+    data-parallel ranks.
 
     Example::
 
         dm = TextDataModule(corpus="synthetic", seq_len=64, batch_size=8)
     """
+
+    train_set: PackedSequences | None
+    val_set: PackedSequences | None
 
     def __init__(
         self,
@@ -76,34 +77,20 @@ class TextDataModule(pl.LightningDataModule):
         persistent_workers: bool = False,
         seed: int = 1234,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            seq_len, batch_size, val_fraction, num_workers, pin_memory, prefetch_factor, persistent_workers, seed
+        )
         if corpus not in ("stdlib_text", "text_file", "synthetic"):
             raise ConfigError("data.corpus", corpus, "use one of stdlib_text, text_file, synthetic.")
-        for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"data.{key}", value, "use a positive integer.")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-            raise ConfigError("data.val_fraction", val_fraction, "use a fraction between 0 and 1.")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
             raise ConfigError("data.max_bytes", max_bytes, "use a positive number of bytes, or null to read all.")
         if corpus == "text_file" and not path:
             raise ConfigError("data.path", path, "data=text_file needs data.path=/path/to/file_or_folder.")
-        check_loader_options(num_workers, pin_memory, prefetch_factor, persistent_workers)
         self.corpus = corpus
-        self.seq_len = seq_len
-        self.batch_size = batch_size
         self.path = path
-        self.val_fraction = val_fraction
         self.max_bytes = max_bytes
         self.synthetic_tokens = synthetic_tokens
         self.vocab_size = vocab_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.prefetch_factor = prefetch_factor
-        self.persistent_workers = persistent_workers
-        self.seed = seed
-        self.train_set: PackedSequences | None = None
-        self.val_set: PackedSequences | None = None
 
     def check_source(self) -> None:
         """Raise :class:`ConfigError` now if the corpus is missing or empty (called before any process spawns)."""
@@ -123,17 +110,11 @@ class TextDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         tokens = self.load_tokens()
-        n_val = max(self.seq_len + 1, int(len(tokens) * self.val_fraction))
-        if len(tokens) - n_val < self.seq_len + 1:
-            raise ConfigError(
-                "data.seq_len", self.seq_len, f"the corpus has only {len(tokens)} tokens; use a shorter seq_len."
-            )
-        self.train_set = PackedSequences(tokens[:-n_val], self.seq_len)
-        self.val_set = PackedSequences(tokens[-n_val:], self.seq_len)
+        n_train = self.split(len(tokens), f"the corpus has only {len(tokens)} tokens; use a shorter seq_len.")
+        self.train_set = PackedSequences(tokens[:n_train], self.seq_len)
+        self.val_set = PackedSequences(tokens[n_train:], self.seq_len)
 
-    def _loader_kwargs(self) -> dict[str, Any]:
-        return loader_kwargs(self.num_workers, self.pin_memory, self.prefetch_factor, self.persistent_workers)
-
+    @override
     def data_options(self) -> dict[str, Any]:
         """The options that decide which sequences the training set holds, saved with the loader's position."""
         options: dict[str, Any] = {"corpus": self.corpus, "seq_len": self.seq_len, "val_fraction": self.val_fraction}
@@ -142,25 +123,3 @@ class TextDataModule(pl.LightningDataModule):
         else:
             options["max_bytes"] = self.max_bytes
         return options
-
-    @override
-    def train_dataloader(self) -> ResumableDataLoader:
-        """A :class:`ResumableDataLoader` over the data-parallel ranks; a checkpoint saves its position."""
-        assert self.train_set is not None
-        sharding = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
-        return ResumableDataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            num_replicas=sharding.get("num_replicas", 1),
-            rank=sharding.get("rank", 0),
-            data_options=self.data_options(),
-            # Worker seeds come from this generator, not from the global RNG (which the model may draw from).
-            generator=torch.Generator().manual_seed(self.seed),
-            **self._loader_kwargs(),
-        )
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, **self._loader_kwargs())

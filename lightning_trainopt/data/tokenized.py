@@ -5,37 +5,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_trainopt.data.loader_options import check_loader_options, loader_kwargs
 from lightning_trainopt.data.manifest import Manifest
+from lightning_trainopt.data.packed_datamodule import PackedDataModule
 from lightning_trainopt.data.packed_tokens import PackedTokens
-from lightning_trainopt.data.resumable_loader import ResumableDataLoader
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["TokenizedDataModule"]
 
 
-class TokenizedDataModule(pl.LightningDataModule):
+class TokenizedDataModule(PackedDataModule):
     """Documents packed into fixed-length sequences, EOS between them, from a directory ``prepare.py`` wrote.
 
     The shards are read through NumPy memmaps (:class:`PackedTokens`), so a corpus larger than memory trains
     without being loaded. The last ``val_fraction`` of the token stream is the validation split (it never overlaps
-    training). The training loader is a :class:`ResumableDataLoader`: rank ``r`` of the data-parallel world (all
-    nodes) reads its own share of one shuffled order per epoch, ranks never overlap, and a checkpoint saves the
-    position in the epoch, so a run killed mid-epoch resumes on the very samples it would have read next.
+    training). The loaders are :class:`PackedDataModule`'s: rank ``r`` of the data-parallel world (all nodes) reads
+    its own share of one shuffled order per epoch, ranks never overlap, and a checkpoint saves the position in the
+    epoch, so a run killed mid-epoch resumes on the very samples it would have read next.
 
     Args:
         path: the prepared directory (it holds ``manifest.json``).
-        seq_len: tokens per sequence.
-        batch_size: micro-batch per device.
-        val_fraction: share of the tokens held out for validation (the tail).
-        num_workers, pin_memory, prefetch_factor, persistent_workers: DataLoader knobs; ``pin_memory`` only
-            takes effect on CUDA.
-        seed: seed of the training shuffle (epoch ``e`` is shuffled with ``seed + e``).
+        seq_len, batch_size, val_fraction, num_workers, pin_memory, prefetch_factor, persistent_workers, seed: as
+            :class:`PackedDataModule` takes them.
         document_attention: attention stays inside each packed document (the model masks across the EOS ids; our
             GPT presets: ``model.attention``'s kernel with a document mask, or flash-attn's variable-length kernel).
 
@@ -52,6 +44,9 @@ class TokenizedDataModule(pl.LightningDataModule):
         model = MyModel(vocab_size=dm.vocab_size)
     """
 
+    train_set: PackedTokens | None
+    val_set: PackedTokens | None
+
     def __init__(
         self,
         path: str | None = None,
@@ -65,7 +60,9 @@ class TokenizedDataModule(pl.LightningDataModule):
         seed: int = 1234,
         document_attention: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            seq_len, batch_size, val_fraction, num_workers, pin_memory, prefetch_factor, persistent_workers, seed
+        )
         if not isinstance(document_attention, bool):
             raise ConfigError("data.document_attention", document_attention, "use true or false.")
         self.document_attention = document_attention
@@ -73,25 +70,9 @@ class TokenizedDataModule(pl.LightningDataModule):
             raise ConfigError(
                 "data.path", path, "data=tokenized needs data.path=DIR, a directory written by prepare.py."
             )
-        for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"data.{key}", value, "use a positive integer.")
-        if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-            raise ConfigError("data.val_fraction", val_fraction, "use a fraction between 0 and 1.")
-        check_loader_options(num_workers, pin_memory, prefetch_factor, persistent_workers)
         self.path = str(path)
         self.directory = Path(path).expanduser()
         self.manifest = Manifest.read(self.directory, key="data.path")
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.prefetch_factor = prefetch_factor
-        self.persistent_workers = persistent_workers
-        self.seed = seed
-        self.train_set: PackedTokens | None = None
-        self.val_set: PackedTokens | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -104,15 +85,11 @@ class TokenizedDataModule(pl.LightningDataModule):
     def _split(self) -> int:
         """Tokens of the training split; the rest is validation."""
         total = self.manifest.tokens
-        n_val = max(self.seq_len + 1, int(total * self.val_fraction))
-        if total - n_val < self.seq_len + 1:
-            raise ConfigError(
-                "data.seq_len",
-                self.seq_len,
-                f"{self.path} holds {total} tokens, too few for a training and a validation sequence of "
-                f"{self.seq_len} tokens; use a shorter seq_len or prepare more text.",
-            )
-        return total - n_val
+        return self.split(
+            total,
+            f"{self.path} holds {total} tokens, too few for a training and a validation sequence of {self.seq_len} "
+            "tokens; use a shorter seq_len or prepare more text.",
+        )
 
     def check_source(self) -> None:
         """Raise :class:`ConfigError` now if the preparation is unfinished, a shard is damaged, or too short."""
@@ -128,31 +105,7 @@ class TokenizedDataModule(pl.LightningDataModule):
         self.train_set = PackedTokens(self.directory, self.manifest, self.seq_len, 0, n_train)
         self.val_set = PackedTokens(self.directory, self.manifest, self.seq_len, n_train, self.manifest.tokens)
 
-    def _loader_kwargs(self) -> dict[str, Any]:
-        return loader_kwargs(self.num_workers, self.pin_memory, self.prefetch_factor, self.persistent_workers)
-
+    @override
     def data_options(self) -> dict[str, Any]:
         """The options that decide which sequences the training set holds, saved with the loader's position."""
         return {"path": self.path, "seq_len": self.seq_len, "val_fraction": self.val_fraction}
-
-    @override
-    def train_dataloader(self) -> ResumableDataLoader:
-        """A :class:`ResumableDataLoader` over the data-parallel ranks; a checkpoint saves its position."""
-        assert self.train_set is not None
-        sharding = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
-        return ResumableDataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            num_replicas=sharding.get("num_replicas", 1),
-            rank=sharding.get("rank", 0),
-            data_options=self.data_options(),
-            # Worker seeds come from this generator, not from the global RNG (which the model may draw from).
-            generator=torch.Generator().manual_seed(self.seed),
-            **self._loader_kwargs(),
-        )
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, **self._loader_kwargs())

@@ -10,14 +10,9 @@ SWEEP_DIR`` writes them again from a finished sweep.
 from __future__ import annotations
 
 import csv
-import logging
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 
 from lightning_trainopt.exceptions import install_command
 from lightning_trainopt.experiments.ladder_rows import (
@@ -28,7 +23,8 @@ from lightning_trainopt.experiments.ladder_rows import (
     ladder_rungs,
     predicted_row,
 )
-from lightning_trainopt.experiments.sweep import status_text, write_sweep_report
+from lightning_trainopt.experiments.sweep import status_text
+from lightning_trainopt.experiments.sweep_report import SweepReport, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,8 +39,6 @@ __all__ = [
     "predicted_row",
     "write_ladder_report",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def _plot_hint() -> str:
@@ -269,11 +263,10 @@ def write_ladder_report(rows: list[LadderRow], out_dir: Path) -> dict[str, Path]
         for r in rows:
             writer.writerow(asdict(r))
     png = out_dir / "ladder.png"
-    try:
-        ladder_figure(rows).savefig(png, dpi=110)
+    plot_note = ""
+    if save_figure(lambda: ladder_figure(rows), png):
         paths["png"] = png
-        plot_note = ""
-    except ImportError:
+    else:
         plot_note = (
             f"ladder.png not written: matplotlib is not installed. {_plot_hint()}, then "
             f"python -m lightning_trainopt.experiments.ladder {out_dir} writes this report again with the plot."
@@ -316,7 +309,7 @@ def write_ladder_report(rows: list[LadderRow], out_dir: Path) -> dict[str, Path]
     return paths
 
 
-class LadderReport(Callback):
+class LadderReport(SweepReport):
     """Hydra callback writing the ladder report at the end of the multirun (rank 0 of the launching process).
 
     Example (in an experiment file)::
@@ -327,26 +320,13 @@ class LadderReport(Callback):
               _target_: lightning_trainopt.experiments.ladder.LadderReport
     """
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        paths = write_sweep_report(config, "ladder", lambda d: write_ladder_report(collect_ladder(d), d))
-        if paths is not None and "png" not in paths:
-            log.warning("ladder.png not written: matplotlib is not installed: %s", _plot_hint())
+    what, png, experiment = "ladder", "ladder.png", "experiment=ladder"
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_trainopt.experiments.ladder SWEEP_DIR``: write a finished ladder sweep's report again."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not Path(args[0]).is_dir():
-        print(
-            "usage: python -m lightning_trainopt.experiments.ladder SWEEP_DIR"
-            " (the sweep directory of experiment=ladder)",
-        )
-        return 2
-    paths = write_ladder_report(collect_ladder(Path(args[0])), Path(args[0]))
-    print(paths["md"].read_text())
-    print(f"ladder report: {', '.join(str(p) for p in paths.values())}")
-    return 0
+    def write(self, sweep_dir: Path) -> dict[str, Path]:
+        """``ladder.md``, ``.csv`` and ``.png`` of the sweep's jobs (:func:`write_ladder_report`)."""
+        return write_ladder_report(collect_ladder(sweep_dir), sweep_dir)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # python -m lightning_trainopt.experiments.ladder SWEEP_DIR: write a finished sweep's report again.
+    raise SystemExit(LadderReport.main())

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from lightning_trainopt.experiments.sweep_report import SweepReport, save_figure
 
-from lightning_trainopt.experiments.sweep import write_sweep_report
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-__all__ = ["ParityReport", "ParityRun", "collect_parity", "deviation", "write_parity_report"]
-
-log = logging.getLogger(__name__)
+__all__ = ["ParityReport", "ParityRun", "collect_parity", "deviation", "parity_figure", "write_parity_report"]
 
 BASELINE = "fp32"
 REPORT = "precision_parity"
@@ -173,16 +169,17 @@ def _write_csv(runs: list[ParityRun], path: Path) -> None:
             writer.writerow([s, *(r.losses.get(s, "") for r in runs)])
 
 
-def _write_png(runs: list[ParityRun], path: Path) -> bool:
-    try:
-        import matplotlib
+def parity_figure(runs: list[ParityRun]) -> Figure:
+    """The two panels of ``precision_parity.png``: the loss curves, and each one's deviation from fp32's.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    from matplotlib.figure import Figure
+
     baseline = next((r for r in runs if r.precision == BASELINE and r.losses), None)
-    fig, (curves, gaps) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    curves, gaps = fig.subplots(1, 2)
     for r in runs:
         if not r.losses:
             continue
@@ -197,9 +194,7 @@ def _write_png(runs: list[ParityRun], path: Path) -> bool:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def write_parity_report(runs: list[ParityRun], out_dir: Path) -> dict[str, Path]:
@@ -207,12 +202,12 @@ def write_parity_report(runs: list[ParityRun], out_dir: Path) -> dict[str, Path]
     paths = {"md": out_dir / f"{REPORT}.md", "csv": out_dir / f"{REPORT}.csv"}
     paths["md"].write_text(_markdown(runs))
     _write_csv(runs, paths["csv"])
-    if _write_png(runs, out_dir / f"{REPORT}.png"):
+    if save_figure(lambda: parity_figure(runs), out_dir / f"{REPORT}.png", dpi=120):
         paths["png"] = out_dir / f"{REPORT}.png"
     return paths
 
 
-class ParityReport(Callback):
+class ParityReport(SweepReport):
     """Hydra callback writing the precision parity report at the end of the multirun (the launching process).
 
     Example (in an experiment file)::
@@ -223,24 +218,13 @@ class ParityReport(Callback):
               _target_: lightning_trainopt.experiments.parity.ParityReport
     """
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        paths = write_sweep_report(config, "precision parity", lambda d: write_parity_report(collect_parity(d), d))
-        if paths is not None and "png" not in paths:
-            log.warning("precision_parity.png not written: matplotlib is not installed (pip install matplotlib)")
+    what, png, experiment = "precision parity", f"{REPORT}.png", "experiment=precision_parity"
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_trainopt.experiments.parity SWEEP_DIR``: write the report of a finished sweep again."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not Path(args[0]).is_dir():
-        print(
-            "usage: python -m lightning_trainopt.experiments.parity SWEEP_DIR (the sweep directory of precision_parity)"
-        )
-        return 2
-    paths = write_parity_report(collect_parity(Path(args[0])), Path(args[0]))
-    print(paths["md"].read_text())
-    return 0
+    def write(self, sweep_dir: Path) -> dict[str, Path]:
+        """``precision_parity.md``, ``.csv`` and ``.png`` of the sweep's jobs (:func:`write_parity_report`)."""
+        return write_parity_report(collect_parity(sweep_dir), sweep_dir)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # python -m lightning_trainopt.experiments.parity SWEEP_DIR: write a finished sweep's report again.
+    raise SystemExit(ParityReport.main())

@@ -40,7 +40,7 @@ from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
 from lightning_trainopt.precision import trainer_precision_kwargs
 
-__all__ = ["early_stop", "output_dir", "run_status", "train"]
+__all__ = ["early_stop", "output_dir", "run_status", "train", "validation_skip_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,32 @@ def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
 
 def _final_validation(
     trainer: pl.Trainer, module: pl.LightningModule, dm: pl.LightningDataModule, clock: RunClock
-) -> None:
-    """Validate at the final step unless the fit loop just did, so ``val_loss`` describes the final weights."""
-    if clock.last_val_step != trainer.global_step and trainer.limit_val_batches:
+) -> str:
+    """Validate at the final step unless the fit loop just did, so ``val_loss`` describes the final weights.
+
+    Returns metrics.json's ``final_validation``: ``"done"``, or ``"skipped: <reason>"`` when there is nothing to
+    validate with (a user's module without ``validation_step``, data without ``val_dataloader``, or
+    ``trainer.limit_val_batches=0``); Lightning's ``validate`` would raise at the end of a finished fit instead.
+    """
+    reason = validation_skip_reason(trainer, module, dm)
+    if reason is not None:
+        return f"skipped: {reason}"
+    if clock.last_val_step != trainer.global_step:
         trainer.validate(module, datamodule=dm, verbose=False)
+    return "done"
+
+
+def validation_skip_reason(trainer: pl.Trainer, module: pl.LightningModule, dm: Any) -> str | None:
+    """Why the run cannot validate (the module or the data has no validation), or ``None`` when it can."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("validation_step", module):
+        return f"{type(module).__name__} has no validation_step"
+    if dm is not None and not is_overridden("val_dataloader", dm):
+        return f"{type(dm).__name__} has no val_dataloader"
+    if not trainer.limit_val_batches:
+        return "trainer.limit_val_batches=0"
+    return None
 
 
 def early_stop(trainer: pl.Trainer) -> dict[str, Any]:
@@ -241,6 +263,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     interrupted: SystemExit | None = None
     train_loss = None
     stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
+    final_validation = "not reached"
     info = _strategy_info(trainer, cfg)
     t0 = time.perf_counter()
     try:
@@ -250,7 +273,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         train_loss = trainer.callback_metrics.get("train_loss")
         stopped = early_stop(trainer)
         info = _strategy_info(trainer, cfg)
-        _final_validation(trainer, module, datamodule, clock)
+        final_validation = _final_validation(trainer, module, datamodule, clock)
     except torch.OutOfMemoryError:
         if not run.launch.continue_on_oom:
             raise
@@ -269,7 +292,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     loss = float(train_loss) if train_loss is not None else None
     status = "interrupted" if interrupted is not None else run_status(oom, stopped["stopped_at_step"] is not None, loss)
-    outcome: dict[str, Any] = {"status": status, **stopped}
+    outcome: dict[str, Any] = {"status": status, **stopped, "final_validation": final_validation}
     if interrupted is not None:
         saved = [cb.interrupt_path for cb in _callbacks(trainer) if isinstance(cb, ResumableCheckpoint)]
         outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_trainopt.exceptions import MissingDependencyError
 from lightning_trainopt.precision.fp8_spec import FP8PrecisionSpec
 from lightning_trainopt.precision.keep_fp32 import keep_in_fp32
-from lightning_trainopt.precision.layer_filter import LayerDecision, clean_name, plan_layers
+from lightning_trainopt.precision.layer_filter import NOT_FP8_CAUSES, LayerDecision, clean_name, plan_layers
 from lightning_trainopt.precision.spec import PrecisionSpec
 
 __all__ = ["ConversionReport", "convert_model", "te_recipe", "torchao_config"]
@@ -53,8 +53,34 @@ class ConversionReport:
         total = sum(n for n, _ in sizes)
         return sum(n for n, fp8 in sizes if fp8) / total if total else None
 
+    def not_fp8(self) -> list[dict[str, Any]]:
+        """The linear layers an FP8 preset left out, counted by cause: ``[{"cause", "layers", "why", "change"}]``.
+
+        ``change`` is the setting that would convert them (``None`` when none would); ``[]`` without FP8.
+        """
+        if self.backend is None:
+            return []
+        counts: dict[str, int] = {}
+        for d in self.layers:
+            if d.shape is not None and d.action != "fp8" and d.cause:
+                counts[d.cause] = counts.get(d.cause, 0) + 1
+        return [
+            {"cause": cause, "layers": n, "why": NOT_FP8_CAUSES[cause][0], "change": NOT_FP8_CAUSES[cause][1]}
+            for cause, n in counts.items()
+        ]
+
+    def warning(self) -> str | None:
+        """What to tell the user when an FP8 preset converts no linear layer (the run then has no FP8 at all)."""
+        if self.backend is None or self._count("fp8"):
+            return None
+        linear = sum(1 for d in self.layers if d.shape is not None)
+        causes = "; ".join(
+            f"{e['layers']} {e['why']}" + (f" (change: {e['change']})" if e["change"] else "") for e in self.not_fp8()
+        )
+        return f"no layer runs in FP8 (0 of {linear} linear layers)" + (f": {causes}" if causes else "")
+
     def to_dict(self) -> dict[str, Any]:
-        """metrics.json's ``precision_layers``: counts, the FP8 share, and every decision."""
+        """metrics.json's ``precision_layers``: counts, the FP8 share, the layers left out by cause, every decision."""
         return {
             "backend": self.backend,
             "recipe": self.recipe,
@@ -64,6 +90,8 @@ class ConversionReport:
             "bf16_layers": self._count("bf16"),
             "fp32_modules": self._count("fp32"),
             "fp8_weight_fraction": self.fp8_weight_fraction,
+            "not_fp8": self.not_fp8(),
+            "warning": self.warning(),
             "layers": [d.to_dict() for d in self.layers],
         }
 

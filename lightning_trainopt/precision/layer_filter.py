@@ -17,6 +17,7 @@ from typing import Any, Literal
 from torch import nn
 
 __all__ = [
+    "NOT_FP8_CAUSES",
     "LayerDecision",
     "clean_name",
     "matching_pattern",
@@ -27,6 +28,18 @@ __all__ = [
 ]
 
 Action = Literal["fp8", "bf16", "fp32"]
+
+#: Why a linear layer does not run in FP8 (``LayerDecision.cause``): in words, and the setting that changes it
+#: (``None``: no setting does). The run summary counts layers by cause, so that a run that converts nothing says why.
+NOT_FP8_CAUSES: dict[str, tuple[str, str | None]] = {
+    "below_break_even": ("below torchao's break-even size, where FP8 is slower", "precision.skip_small=false"),
+    "not_divisible_by_16": ("dimensions not divisible by 16", None),
+    "output_projection": ("output projection", "precision.convert_lm_head=true"),
+    "excluded": ("named by precision.exclude", "precision.exclude"),
+    "not_included": ("not named by precision.include", "precision.include"),
+    "keep_fp32": ("kept in fp32 by precision.keep_fp32", "precision.keep_fp32"),
+    "te_norm": ("replaced by Transformer Engine's norm", None),
+}
 
 # Parts of a module path that wrappers insert (torch.compile, activation checkpoint wrappers, FSDP1): a user's glob
 # and the report name the module as the model defines it.
@@ -45,6 +58,7 @@ class LayerDecision:
         shape: ``(out_features, in_features)`` of a linear layer, ``None`` for other modules.
         action: ``fp8`` (converted), ``bf16`` (kept under bf16 autocast) or ``fp32`` (kept in fp32, autocast off).
         reason: why, in words.
+        cause: why it is not in FP8, a key of :data:`NOT_FP8_CAUSES` (``""`` when it is, or without an FP8 recipe).
     """
 
     name: str
@@ -52,6 +66,7 @@ class LayerDecision:
     shape: tuple[int, int] | None
     action: Action
     reason: str
+    cause: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -117,7 +132,7 @@ def shape_skip_reason(out_features: int, in_features: int, recipe: str, skip_sma
         skip_small: apply the break-even thresholds (else only the divisibility rule).
     """
     n, k = out_features, in_features
-    if n % 16 or k % 16:
+    if _not_divisible(n, k):
         return f"dimensions {n}x{k} not divisible by 16 (FP8 GEMMs need multiples of 16)"
     if not skip_small:
         return None
@@ -136,6 +151,11 @@ def shape_skip_reason(out_features: int, in_features: int, recipe: str, skip_sma
             "(precision.skip_small=false converts it anyway)"
         )
     return None
+
+
+def _not_divisible(n: int, k: int) -> bool:
+    """FP8 GEMMs (``torch._scaled_mm``) need both dimensions divisible by 16."""
+    return bool(n % 16 or k % 16)
 
 
 def _is_norm(module: nn.Module, kind: str) -> bool:
@@ -189,7 +209,9 @@ def plan_layers(
         shape = (int(module.out_features), int(module.in_features)) if isinstance(module, nn.Linear) else None
         kept = matching_pattern(name, kind, keep) if raw else None
         if kept is not None:
-            decisions.append(LayerDecision(name, kind, shape, "fp32", f"precision.keep_fp32 names it ({kept!r})"))
+            decisions.append(
+                LayerDecision(name, kind, shape, "fp32", f"precision.keep_fp32 names it ({kept!r})", "keep_fp32")
+            )
             return
         if fp8_recipe is not None and isinstance(module, nn.Linear):
             decisions.append(
@@ -197,7 +219,9 @@ def plan_layers(
             )
         elif fp8_recipe is not None and te_norms and _is_norm(module, kind):
             decisions.append(
-                LayerDecision(name, kind, None, "bf16", "replaced by Transformer Engine's norm (no FP8 GEMM in a norm)")
+                LayerDecision(
+                    name, kind, None, "bf16", "replaced by Transformer Engine's norm (no FP8 GEMM in a norm)", "te_norm"
+                )
             )
         for child_name, child in module.named_children():
             visit(child, f"{raw}.{child_name}" if raw else child_name)
@@ -220,14 +244,20 @@ def _linear_decision(
     shape = (module.out_features, module.in_features)
     excluded = matching_pattern(name, kind, exclude)
     if excluded is not None:
-        return LayerDecision(name, kind, shape, "bf16", f"precision.exclude names it ({excluded!r})")
+        return LayerDecision(name, kind, shape, "bf16", f"precision.exclude names it ({excluded!r})", "excluded")
     if include and matching_pattern(name, kind, include) is None:
-        return LayerDecision(name, kind, shape, "bf16", "not named by precision.include")
+        return LayerDecision(name, kind, shape, "bf16", "not named by precision.include", "not_included")
     if id(module) in outputs and not convert_lm_head:
         return LayerDecision(
-            name, kind, shape, "bf16", "output projection: kept in bf16 (precision.convert_lm_head=true converts it)"
+            name,
+            kind,
+            shape,
+            "bf16",
+            "output projection: kept in bf16 (precision.convert_lm_head=true converts it)",
+            "output_projection",
         )
     skip = shape_skip_reason(*shape, recipe, skip_small)
     if skip is not None:
-        return LayerDecision(name, kind, shape, "bf16", skip)
+        cause = "not_divisible_by_16" if _not_divisible(*shape) else "below_break_even"
+        return LayerDecision(name, kind, shape, "bf16", skip, cause)
     return LayerDecision(name, kind, shape, "fp8", f"converted ({recipe} scaling)")

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, MixedPrecision
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -52,6 +52,9 @@ class ModelTransforms:
         text = self.report.text()
         if text:
             rank_zero_info(f"precision={self.spec.name}: {text}")
+        warning = self.report.warning()
+        if warning is not None:
+            rank_zero_warn(f"precision={self.spec.name}: {warning}; this run trains without FP8.")
 
     @contextmanager
     def _fp8_region(self) -> Generator[None, None, None]:

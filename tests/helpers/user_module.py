@@ -6,6 +6,8 @@
 padding); it has no ``configure_optimizers``, so the app's ``optimizer``/``scheduler`` groups apply.
 :class:`UserLMWithOptimizer` has its own (SGD), which the app keeps. :class:`PaddedTokens` makes the padded batches:
 rows of 8 to ``seq_len`` random tokens, its micro-batch read from ``self.batch_size`` (a MicroBatchFinder sets it).
+:class:`TrainOnlyLM` and :class:`PaddedTrainTokens` are the same without any validation (no ``validation_step``, no
+``val_dataloader``), as many users' first modules are.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["PaddedTokens", "UserLM", "UserLMWithOptimizer"]
+__all__ = ["PaddedTokens", "PaddedTrainTokens", "TrainOnlyLM", "UserLM", "UserLMWithOptimizer"]
 
 IGNORE = -100
 
 
-class UserLM(pl.LightningModule):
-    """A causal transformer LM: embedding, ``n_layers`` pre-norm encoder layers under a causal mask, a head."""
+class TrainOnlyLM(pl.LightningModule):
+    """A causal transformer LM: embedding, ``n_layers`` pre-norm encoder layers under a causal mask, a head.
+
+    It only trains: no ``validation_step``.
+    """
 
     def __init__(self, vocab_size: int = 256, d_model: int = 32, n_layers: int = 2, n_heads: int = 4) -> None:
         super().__init__()
@@ -54,6 +59,10 @@ class UserLM(pl.LightningModule):
         loss = self.loss(batch)
         self.log("train_loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
+
+
+class UserLM(TrainOnlyLM):
+    """:class:`TrainOnlyLM` with a ``validation_step`` that logs ``val_loss``."""
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self.loss(batch), sync_dist=True, batch_size=batch["input_ids"].shape[0])
@@ -93,8 +102,8 @@ def _pad(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE)}
 
 
-class PaddedTokens(pl.LightningDataModule):
-    """Random token rows of varying length, padded per batch on the right."""
+class PaddedTrainTokens(pl.LightningDataModule):
+    """Random token rows of varying length, padded per batch on the right; a train loader only."""
 
     def __init__(self, batch_size: int = 4, seq_len: int = 32, vocab_size: int = 256, n_rows: int = 64) -> None:
         super().__init__()
@@ -107,6 +116,10 @@ class PaddedTokens(pl.LightningDataModule):
         return DataLoader(
             _Rows(self.n_rows, self.seq_len, self.vocab_size, 0), batch_size=self.batch_size, collate_fn=_pad
         )
+
+
+class PaddedTokens(PaddedTrainTokens):
+    """:class:`PaddedTrainTokens` with a validation loader of 16 other rows."""
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_Rows(16, self.seq_len, self.vocab_size, 1), batch_size=self.batch_size, collate_fn=_pad)

@@ -106,8 +106,32 @@ def test_user_module_and_datamodule_with_the_default_callbacks_and_micro_batch_f
     assert metrics["status"] == "ok"
     assert metrics["model"] == "UserLM"
     assert metrics["n_params"] == 2 * 256 * 32 + 256 + 2 * (4 * 32 * 32 + 4 * 32 + 2 * 32 * 64 + 64 + 32 + 4 * 32)
-    assert metrics["val_loss"] is not None
+    assert math.isfinite(metrics["val_loss"])
+    assert metrics["final_validation"] == "done"
     assert metrics["val_ppl"] is None  # the user's module logs val_loss only
+
+
+@pytest.mark.parametrize(
+    ("module", "data", "reason"),
+    [
+        ("TrainOnlyLM", "PaddedTokens", "TrainOnlyLM has no validation_step"),
+        ("UserLM", "PaddedTrainTokens", "PaddedTrainTokens has no val_dataloader"),
+    ],
+)
+def test_a_user_module_or_data_without_validation_says_the_final_validation_was_skipped(tmp_path, module, data, reason):
+    cfg = compose_config(
+        ["model=module", f"model._target_={USER}.{module}", "data=datamodule", f"data._target_={USER}.{data}", *SHORT],
+        tmp_path / "run",
+    )
+    metrics = train(cfg)
+    assert metrics["status"] == "ok"
+    assert metrics["global_step"] == 3
+    assert math.isfinite(metrics["train_loss"])
+    assert metrics["val_loss"] is None
+    assert metrics["final_validation"] == f"skipped: {reason}"
+    written = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert written["final_validation"] == f"skipped: {reason}"
+    assert written["val_loss"] is None
 
 
 def test_a_hub_name_is_refused_before_anything_starts(tmp_path):

@@ -117,3 +117,48 @@ def test_fp8_te_on_cpu_is_refused_before_training(tmp_path):
     assert "precision='fp8_te' + trainer.accelerator='cpu' is refused" in proc.stderr
     assert "use precision=fp8 (torchao)" in proc.stderr
     assert not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.slow
+@RunIf(torchao=True)
+def test_fp8_on_a_model_below_the_break_even_size_says_no_layer_ran_in_fp8(tmp_path):
+    """The default ``skip_small`` on gpt_tiny converts nothing: metrics.json and the printed summary say so, and why."""
+    import torch
+
+    from lightning_trainopt.config.model_factory import meta_module
+    from tests.helpers.compose import compose_config
+
+    linear = sum(isinstance(m, torch.nn.Linear) for m in meta_module(compose_config(["precision=fp8"])).modules())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "precision=fp8",
+            "trainer.max_steps=2",
+            "trainer.limit_val_batches=1",
+            "trainer.enable_progress_bar=false",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO_ROOT,
+        # A wide console, so that the summary's row is on one line.
+        env=child_env(REPO_ROOT, COLUMNS="250"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    layers = metrics["precision_layers"]
+    assert (metrics["status"], metrics["model"], layers["fp8_layers"]) == ("ok", "gpt_tiny", 0)
+    causes = {e["cause"]: (e["layers"], e["change"]) for e in layers["not_fp8"]}
+    assert causes == {
+        "below_break_even": (linear - 1, "precision.skip_small=false"),
+        "output_projection": (1, "precision.convert_lm_head=true"),
+    }
+    said = f"no layer runs in FP8 (0 of {linear} linear layers): {linear - 1} below torchao's break-even size"
+    assert layers["warning"].startswith(said)
+    (row,) = [line for line in proc.stdout.splitlines() if "precision layers" in line]
+    assert said in row
+    assert "(change: precision.skip_small=false)" in row
+    assert f"precision=fp8: {said}" in proc.stderr  # the warning when the model is converted

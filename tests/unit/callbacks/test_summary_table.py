@@ -116,3 +116,42 @@ def test_print_summary_renders_a_table(tmp_path):
     assert "optimizer steps" in text
     assert "300" in text
     assert "metrics.json" in text
+
+
+def _fp8_section(fp8_layers: int, not_fp8: list[dict], warning: str | None) -> dict:
+    return {
+        "backend": "torchao",
+        "recipe": "tensorwise",
+        "emulated": True,
+        "fp8_layers": fp8_layers,
+        "fp32_modules": 0,
+        "fp8_weight_fraction": 0.5 if fp8_layers else 0.0,
+        "not_fp8": not_fp8,
+        "warning": warning,
+        "layers": [],
+    }
+
+
+HEAD = {
+    "cause": "output_projection",
+    "layers": 1,
+    "why": "output projection",
+    "change": "precision.convert_lm_head=true",
+}
+
+
+def test_an_fp8_run_that_converted_nothing_says_so_first():
+    warning = "no layer runs in FP8 (0 of 3 linear layers): 2 small (change: precision.skip_small=false); 1 head"
+    rows = dict(summary_rows({"precision_layers": _fp8_section(0, [HEAD], warning)}))
+    assert rows["precision layers"] == f"FP8 (torchao tensorwise, emulated): {warning}"
+    rows = dict(summary_rows({"precision_layers": _fp8_section(2, [HEAD], None)}))
+    assert rows["precision layers"] == (
+        "FP8 (torchao tensorwise, emulated): 2 linear layers (50% of their weights) · "
+        "not FP8: 1 output projection (change: precision.convert_lm_head=true)"
+    )
+
+
+def test_square_brackets_in_a_value_are_printed_not_read_as_markup():
+    console = Console(record=True, width=120)
+    print_summary({"model": "gpt_tiny", "note": "kept [precision.keep_fp32]"}, None, console=console)
+    assert "kept [precision.keep_fp32]" in console.export_text()

@@ -53,7 +53,11 @@ def test_another_global_batch_mid_epoch_is_refused_naming_the_batch_that_resumes
 
 @pytest.mark.parametrize(("devices", "batch_size"), [(2, 2), (1, 4), (4, 1)])
 def test_the_same_global_batch_on_any_number_of_ranks_resumes(tmp_path, devices, batch_size):
-    check_resume_from_cfg(_cfg(devices=devices, batch_size=batch_size), _checkpoint(tmp_path, "file", STATE), devices)
+    ckpt = _checkpoint(tmp_path, "file", STATE)
+    assert devices * batch_size == STATE["batch_size"] * STATE["num_replicas"]  # the global batch it was read with
+    check_resume_from_cfg(_cfg(devices=devices, batch_size=batch_size), ckpt, devices)
+    with pytest.raises(ConfigError, match=f"resume with data.batch_size={batch_size} on {devices} rank"):
+        check_resume_from_cfg(_cfg(devices=devices, batch_size=batch_size + 1), ckpt, devices)
 
 
 @pytest.mark.parametrize(
@@ -65,8 +69,16 @@ def test_the_same_global_batch_on_any_number_of_ranks_resumes(tmp_path, devices,
 )
 def test_a_position_at_an_epoch_boundary_resumes_with_any_batch(tmp_path, state):
     check_resume_from_cfg(_cfg(devices=1, batch_size=3), _checkpoint(tmp_path, "file", state), 1)
+    # The same batch mid-epoch is refused: the position decides.
+    (tmp_path / "mid").mkdir()
+    mid_epoch = _checkpoint(tmp_path / "mid", "file", STATE)
+    with pytest.raises(ConfigError, match="data.batch_size=4"):
+        check_resume_from_cfg(_cfg(devices=1, batch_size=3), mid_epoch, 1)
 
 
 def test_a_micro_batch_chosen_at_run_time_is_left_to_the_loader(tmp_path):
     finder = {"micro_batch_finder": {"_target_": "lightning_trainopt.callbacks.MicroBatchFinder"}}
-    check_resume_from_cfg(_cfg(devices=1, batch_size=2, callbacks=finder), _checkpoint(tmp_path, "file", STATE), 1)
+    ckpt = _checkpoint(tmp_path, "file", STATE)
+    check_resume_from_cfg(_cfg(devices=1, batch_size=2, callbacks=finder), ckpt, 1)
+    with pytest.raises(ConfigError, match="data.batch_size=4"):  # the same batch without the finder is refused
+        check_resume_from_cfg(_cfg(devices=1, batch_size=2), ckpt, 1)

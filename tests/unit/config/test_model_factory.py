@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from lightning_trainopt.config.model_factory import (
     build_lightning_module,
@@ -152,15 +154,17 @@ def test_hf_models_are_refused_before_anything_starts(tmp_path, overrides, key, 
 
 def test_hf_model_with_synthetic_data_of_its_vocabulary_passes(tmp_path):
     pytest.importorskip("transformers")
+    from lightning_trainopt.launch.train import data_vocab_size
     from tests.helpers.hf_files import write_config
 
     file = write_config("llama", tmp_path / "llama", vocab_size=512)
-    validate_config(
-        compose_config(
-            ["model=hf", f"model.config={file}", "data=synthetic", "data.vocab_size=512", "trainer.accelerator=cpu"],
-            tmp_path,
-        )
-    )
+    base = ["model=hf", f"model.config={file}", "data=synthetic", "trainer.accelerator=cpu"]
+    cfg = compose_config([*base, "data.vocab_size=512"], tmp_path)
+    validate_config(cfg)
+    # What train() then compares: the model embeds 512 ids, the data draws from 512.
+    assert model_vocab_size(meta_module(cfg)) == data_vocab_size(instantiate(cfg.data)) == 512
+    with pytest.raises(ConfigError, match="token ids up to 1023"):  # more ids than the model embeds
+        validate_config(compose_config([*base, "data.vocab_size=1024"], tmp_path))
 
 
 def test_compile_compiles_a_user_module_s_children_in_place(tmp_path):
@@ -182,7 +186,15 @@ def test_pretrained_weights_pass_the_checks_under_every_zero_stage(tmp_path, str
 
     write_pretrained("llama", tmp_path / "weights")
     overrides = ["model=hf", f"model.pretrained={tmp_path / 'weights'}", "trainer.accelerator=cpu"]
-    validate_config(compose_config([*overrides, f"+strategy={strategy}"], tmp_path))
+    cfg = compose_config([*overrides, f"+strategy={strategy}"], tmp_path)
+    before = OmegaConf.to_container(cfg)
+    validate_config(cfg)
+    assert OmegaConf.to_container(cfg) == before  # taken as given under every stage
+    spec = instantiate(cfg.model)
+    assert spec.weights_dir() == tmp_path / "weights"  # where the weights load from, its check passed
+    (tmp_path / "weights" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="holds no weights"):  # ... a check that reads the directory
+        spec.weights_dir()
 
 
 def test_a_module_whose_vocabulary_the_data_outgrows_is_refused_before_training(tmp_path):

@@ -44,7 +44,13 @@ def test_fp8_refusal_matches_lightning_behaviour():
 
 
 def test_fp8_with_ddp_allowed():
-    preflight(PreflightInput(strategy=parse_strategy(preset("ddp")), precision="transformer-engine", accelerator="gpu"))
+    # Allowed, and without advice: Lightning's own FP8 plugin works with DDP.
+    ddp = parse_strategy(preset("ddp"))
+    assert preflight(PreflightInput(strategy=ddp, precision="transformer-engine", accelerator="gpu")) == []
+    with pytest.raises(IncompatibleConfigError, match="18679"):  # not with DeepSpeed (Lightning #18679)
+        preflight(
+            PreflightInput(strategy=parse_strategy(preset("zero2")), precision="transformer-engine", accelerator="gpu")
+        )
 
 
 @pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
@@ -100,7 +106,14 @@ def test_deepspeed_json_with_its_own_optimizer_and_offload_allowed():
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
         },
     }
-    preflight(PreflightInput(strategy=parse_strategy(strategy), optimizer_target="torch.optim.SGD", accelerator="cpu"))
+    # The JSON's own AdamW is what DeepSpeed offloads, so the app's SGD does not matter: allowed, no advice.
+    spec = parse_strategy(strategy)
+    assert preflight(PreflightInput(strategy=spec, optimizer_target="torch.optim.SGD", accelerator="cpu")) == []
+    without_optimizer = parse_strategy(
+        {**strategy, "config": {"zero_optimization": strategy["config"]["zero_optimization"]}}
+    )
+    with pytest.raises(IncompatibleConfigError, match="ZeRORuntimeException"):
+        preflight(PreflightInput(strategy=without_optimizer, optimizer_target="torch.optim.SGD", accelerator="cpu"))
 
 
 def test_gradient_accumulation_scheduler_with_deepspeed_refused():
@@ -128,7 +141,8 @@ def test_fp16_on_cpu_refused(precision):
 
 
 def test_fp16_on_gpu_allowed():
-    preflight(PreflightInput(strategy=parse_strategy(preset("zero2")), precision="16-mixed", accelerator="gpu"))
+    zero2 = parse_strategy(preset("zero2"))
+    assert preflight(PreflightInput(strategy=zero2, precision="16-mixed", accelerator="gpu")) == []
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_offload"])

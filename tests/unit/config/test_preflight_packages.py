@@ -67,7 +67,16 @@ def test_tensorboardx_serves_for_tensorboard(tmp_path, monkeypatch):
     cfg = _cfg(["logger=tensorboard"], tmp_path)
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     monkeypatch.setitem(sys.modules, "tensorboardX", object())  # importable: Lightning's logger accepts it
-    preflight_from_cfg(cfg)
+    (needed,) = required_packages(_input(cfg))
+    assert (needed.feature, needed.package, needed.alternatives) == (
+        "logger=tensorboard",
+        "tensorboard",
+        ("tensorboardX",),
+    )
+    assert preflight_from_cfg(cfg) == []
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # neither: refused, naming the extra
+    with pytest.raises(MissingDependencyError, match=r"\.\[tensorboard\]"):
+        preflight_from_cfg(cfg)
 
 
 def test_install_command_pins_the_installed_torch():

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.optim.schedules import resolve_warmup_steps
 from tests.helpers.compose import compose_config
 
 
@@ -33,8 +35,19 @@ def test_bad_values_are_refused(tmp_path, override, key, fix_words):
     assert fix_words in str(err.value)
 
 
+def accepted_as_composed(cfg: DictConfig) -> None:
+    """``validate_config`` accepts ``cfg`` and leaves every value as it was composed (it never adjusts input)."""
+    before = OmegaConf.to_container(cfg)
+    validate_config(cfg)
+    assert OmegaConf.to_container(cfg) == before
+
+
 def test_defaults_are_valid(tmp_path):
-    validate_config(compose_config([], tmp_path))
+    cfg = compose_config([], tmp_path)
+    accepted_as_composed(cfg)
+    cfg.optimizer.lr = -1.0  # the same tree with one bad value: the check reads it
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        validate_config(cfg)
 
 
 @pytest.mark.parametrize("path_kind", ["missing", "empty_file", "empty_dir"])
@@ -126,7 +139,8 @@ def test_trainer_arguments_the_app_sets_are_refused_naming_the_group(tmp_path, n
     ],
 )
 def test_good_variants_pass(tmp_path, overrides):
-    validate_config(compose_config([*overrides, "trainer.accelerator=cpu"], tmp_path))
+    cfg = compose_config([*overrides, "trainer.accelerator=cpu"], tmp_path)
+    accepted_as_composed(cfg)
 
 
 @pytest.mark.parametrize("ratio", [2, -0.5, "0.1"])
@@ -208,7 +222,13 @@ def test_every_default_fits_a_smoke_run(tmp_path, steps, trainer):
         [f"trainer={trainer}", f"trainer.max_steps={steps}", "callbacks=[default,warmup_cosine_lr,non_finite_guard]"],
         tmp_path,
     )
-    validate_config(cfg)
+    accepted_as_composed(cfg)
+    # The warmups the run will use (the scheduler's and the callback's, each a fraction of the run) are shorter than it.
+    for node in (cfg.scheduler, cfg.callbacks.warmup_cosine_lr):
+        assert 0 <= resolve_warmup_steps(node.warmup_steps, node.warmup_ratio, steps) < steps
+    cfg.scheduler.warmup_steps = steps  # a warmup as long as the run is refused: the check sees the run's length
+    with pytest.raises(ConfigError, match="scheduler.warmup_steps"):
+        validate_config(cfg)
 
 
 @pytest.mark.parametrize(

@@ -84,3 +84,17 @@ def test_an_early_stopped_job_succeeded_and_a_guard_stopped_one_did_not():
     guard = {"job": "1", "status": "stopped", "stopped_by": "NonFiniteGuard", "stopped_at_step": 7}
     assert no_job_succeeded([early]) is False
     assert no_job_succeeded([guard]) is True
+
+
+def test_a_report_s_command_line_says_its_usage_and_rewrites_a_finished_sweep(tmp_path, capsys):
+    from lightning_trainopt.experiments.parity import ParityReport
+
+    assert ParityReport.main([str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().out.strip() == (
+        "usage: python -m lightning_trainopt.experiments.parity SWEEP_DIR (the sweep directory of "
+        "experiment=precision_parity)"
+    )
+    assert ParityReport.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "precision_parity.md").read_text() in out
+    assert f"precision parity report: {tmp_path / 'precision_parity.md'}" in out

@@ -15,18 +15,6 @@ def _groups():
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def test_cpu_adam_replaces_adamw_with_same_settings():
-    opt = torch.optim.AdamW(_groups(), lr=1e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
-    new = to_deepspeed_cpu_adam(opt)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    assert isinstance(new, DeepSpeedCPUAdam)
-    assert new.adam_w_mode
-    assert [len(g["params"]) for g in new.param_groups] == [len(g["params"]) for g in opt.param_groups]
-    assert [g["weight_decay"] for g in new.param_groups] == [0.1, 0.0]
-    assert all(g["lr"] == 1e-3 and tuple(g["betas"]) == (0.8, 0.95) and g["eps"] == 1e-7 for g in new.param_groups)
-
-
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adagrad])
 def test_cpu_adam_refuses_other_optimizers(opt_cls):
     with pytest.raises(IncompatibleConfigError, match="offload"):

@@ -137,6 +137,32 @@ def test_report_counts_and_weight_share():
     assert "precision.exclude names it" in report.text()
 
 
+def test_a_preset_that_converts_nothing_counts_the_causes_and_names_the_settings():
+    root = _root()
+    linear = sum(isinstance(m, nn.Linear) for m in root.modules())
+    out = convert_model(root, fp8(skip_small=True), emulate=True, fsdp=False).to_dict()
+    assert (out["fp8_layers"], out["bf16_layers"]) == (0, linear)
+    small = {
+        "cause": "below_break_even",
+        "layers": linear - 1,
+        "why": "below torchao's break-even size, where FP8 is slower",
+        "change": "precision.skip_small=false",
+    }
+    head = {
+        "cause": "output_projection",
+        "layers": 1,
+        "why": "output projection",
+        "change": "precision.convert_lm_head=true",
+    }
+    assert out["not_fp8"] == [small, head]
+    assert out["warning"] == (
+        f"no layer runs in FP8 (0 of {linear} linear layers): {linear - 1} below torchao's break-even size, where FP8 "
+        "is slower (change: precision.skip_small=false); 1 output projection (change: precision.convert_lm_head=true)"
+    )
+    converted = convert_model(_root(), fp8(), emulate=True, fsdp=False).to_dict()
+    assert (converted["fp8_layers"], converted["not_fp8"], converted["warning"]) == (linear - 1, [head], None)
+
+
 class _FakeTE(types.ModuleType):
     """The slice of ``transformer_engine.pytorch`` the swap uses, on CPU: modules that record how they were built."""
 
