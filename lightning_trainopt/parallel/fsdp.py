@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
 from lightning_trainopt.transforms.blocks import block_classes, own_class
@@ -97,6 +98,9 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
         preset: name reported in metrics.
+        meta_init: build our GPT presets on the meta device and initialise each rank's shards after ``fully_shard``
+            (the same values as a whole build from the same seed; a rank never holds the whole model). ``False``:
+            build the whole model in host memory on every rank first.
         **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments.
 
     Example::
@@ -112,6 +116,7 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         preset: str = "fsdp",
+        meta_init: bool = True,
         **kwargs: Any,
     ) -> None:
         if shard_modules is not None and (
@@ -128,6 +133,8 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.preset = preset
+        self.meta_init = meta_init
+        self._meta_rng_state: torch.Tensor | None = None
         target = f"{type(self).__module__}.{type(self).__qualname__}"
         self.spec: StrategySpec = fsdp_spec(preset, target, cpu_offload, reshard_after_forward)
 
@@ -159,6 +166,36 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             )
         return self.shard_modules
 
+    def builds_on_meta(self, module: pl.LightningModule | None) -> bool:
+        """``configure_model`` of ``module`` runs on the meta device: our GPT presets, whose init the strategy replays
+        per shard after ``fully_shard`` (:mod:`~lightning_trainopt.parallel.meta_init`). A Hugging Face model (its
+        pretrained weights are loaded whole by ``from_pretrained``) and a user's module are built whole in host memory
+        on every rank, as before."""
+        from lightning_trainopt.models import LitGPT
+
+        return self.meta_init and isinstance(module, LitGPT) and module.model is None
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if empty_init is False or not self.builds_on_meta(self.lightning_module):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # The replay after fully_shard draws from the generator state the eager build would have started from.
+        self._meta_rng_state = torch.get_rng_state()
+        with super().tensor_init_context(empty_init=True):
+            yield
+
+    def _materialize(self, model: torch.nn.Module) -> None:
+        """Storage and initial values for this rank's shards of a model built on the meta device."""
+        if not has_meta_tensors(model):
+            return
+        device = torch.device("cpu") if self.cpu_offload else self.root_device
+        n = materialize_sharded(model, device, self._meta_rng_state)
+        self._meta_rng_state = None
+        rank_zero_info(f"FSDP2: built on the meta device; {n} parameters initialised shard by shard on {device}.")
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
@@ -188,6 +225,7 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             rank_zero_info(
                 f"FSDP2: {n} modules sharded over {self.world_size} processes ({by}; cpu_offload={self.cpu_offload})."
             )
+        self._materialize(self.model)
         module = self.lightning_module
         with contextlib.nullcontext() if module is None else _without_configure_model_check(module):
             super().setup(trainer)
