@@ -207,13 +207,17 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             # FP8 (torchtitan's order). Lightning's own call in super().setup() then finds the model converted.
             self.precision_plugin.transform(self.model)
         units = self._units(self.model)
-        n = apply_fully_shard(
-            self.model,
-            units,
-            self.device_mesh["data_parallel"],
-            self.cpu_offload,
-            self.reshard_after_forward,
+        from lightning_trainopt.parallel.apply import RewritePlan, apply_rewrites
+
+        # The ordered rewrite's last step (its layer conversion ran just above, through the precision plugin, which
+        # keeps the report PrecisionReport reads).
+        plan = RewritePlan(
+            shard="fsdp2",
+            shard_modules=tuple(units),
+            cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward,
         )
+        n = apply_rewrites(self.model, plan, self.device_mesh["data_parallel"]).sharded
         if n == 0 and not already:
             raise ConfigError(
                 "strategy.shard_modules",
