@@ -29,17 +29,26 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
-from lightning_trainopt.transforms.blocks import block_classes
+from lightning_trainopt.transforms.blocks import block_classes, own_class
 from lightning_trainopt.transforms.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing
 from lightning_trainopt.transforms.compile import compile_blocks
 
-__all__ = ["STEPS", "RewritePlan", "RewriteReport", "apply_rewrites", "compile_model", "with_saved_tensors"]
+__all__ = [
+    "STEPS",
+    "RewritePlan",
+    "RewriteReport",
+    "apply_fully_shard",
+    "apply_rewrites",
+    "compile_model",
+    "with_saved_tensors",
+]
 
 #: The steps of :func:`apply_rewrites`, in the order they run.
 STEPS = ("convert", "tensor_parallel", "activations", "compile", "shard")
@@ -178,9 +187,50 @@ def _tensor_parallel(degree: int) -> None:
 
 
 def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:
-    from lightning_trainopt.parallel.fsdp import apply_fully_shard
-
     if mesh is None:
         raise ConfigError("strategy", "fsdp", "FSDP2 needs the data-parallel device mesh: pass mesh=...")
     units = list(plan.shard_modules) if plan.shard_modules is not None else block_classes(model)
     return apply_fully_shard(model, units, mesh, plan.cpu_offload, plan.reshard_after_forward)
+
+
+def apply_fully_shard(
+    root: torch.nn.Module, shard_modules: list[str], mesh: Any, cpu_offload: bool, reshard_after_forward: bool
+) -> int:
+    """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
+
+    Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
+    Idempotent: a module that is already an FSDP2 unit is left as it is, because Lightning runs the strategy's
+    ``setup`` again for every ``validate``/``test`` after ``fit`` on the same (sharded) model, and ``fully_shard``
+    refuses a second application to one module.
+
+    Returns:
+        the number of modules sharded by this call (0 when the model was already sharded).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
+    }
+    count = 0
+    for module in root.modules():
+        if module is not root and own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
+            fully_shard(module, **kwargs)
+            count += 1
+    for child in _top_level_units(root):
+        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+            count += 1
+    return count
+
+
+def _top_level_units(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The children of ``root``, with a container (``nn.ModuleList``/``nn.ModuleDict``, which has no ``forward`` and
+    which ``fully_shard`` refuses) replaced by its own children, recursively: a user's module that keeps its blocks in
+    an ``nn.ModuleList`` directly, not inside a model module."""
+    for child in root.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            yield from _top_level_units(child)
+        else:
+            yield child

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
 from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
@@ -38,49 +39,6 @@ def _without_configure_model_check(module: pl.LightningModule) -> Iterator[None]
         yield
     finally:
         module.__dict__.pop("configure_model", None)
-
-
-def apply_fully_shard(
-    root: torch.nn.Module, shard_modules: list[str], mesh: Any, cpu_offload: bool, reshard_after_forward: bool
-) -> int:
-    """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
-
-    Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
-    Idempotent: a module that is already an FSDP2 unit is left as it is, because Lightning runs the strategy's
-    ``setup`` again for every ``validate``/``test`` after ``fit`` on the same (sharded) model, and ``fully_shard``
-    refuses a second application to one module.
-
-    Returns:
-        the number of modules sharded by this call (0 when the model was already sharded).
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {
-        "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward,
-        "offload_policy": CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
-    }
-    count = 0
-    for module in root.modules():
-        if module is not root and own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
-            fully_shard(module, **kwargs)
-            count += 1
-    for child in _top_level_units(root):
-        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
-            count += 1
-    return count
-
-
-def _top_level_units(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The children of ``root``, with a container (``nn.ModuleList``/``nn.ModuleDict``, which has no ``forward`` and
-    which ``fully_shard`` refuses) replaced by its own children, recursively: a user's module that keeps its blocks in
-    an ``nn.ModuleList`` directly, not inside a model module."""
-    for child in root.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            yield from _top_level_units(child)
-        else:
-            yield child
 
 
 class TrainOptFSDPStrategy(ModelParallelStrategy):
@@ -207,8 +165,6 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             # FP8 (torchtitan's order). Lightning's own call in super().setup() then finds the model converted.
             self.precision_plugin.transform(self.model)
         units = self._units(self.model)
-        from lightning_trainopt.parallel.apply import RewritePlan, apply_rewrites
-
         # The ordered rewrite's last step (its layer conversion ran just above, through the precision plugin, which
         # keeps the report PrecisionReport reads).
         plan = RewritePlan(

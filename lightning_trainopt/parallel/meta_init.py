@@ -23,6 +23,7 @@ init bumps the tensor's version counter); a parameter step 2 writes is taken as 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -178,8 +179,10 @@ def materialize_sharded(root: nn.Module, device: torch.device, rng_state: torch.
     with torch.no_grad():
         for module in root.modules():
             own = list(module.parameters(recurse=False))
-            if own and any(id(p) in params for p in own) and callable(getattr(module, "reset_parameters", None)):
-                replay(module, module.reset_parameters, lambda p: id(p) not in rewritten)
+            reset = getattr(module, "reset_parameters", None)
+            if own and any(id(p) in params for p in own) and callable(reset):
+                replay(module, reset, lambda p: id(p) not in rewritten)
+        init_weights: Callable[[nn.Module], None] = getattr(owner, "_init_weights", lambda _m: None)
         for module in order:
-            replay(module, lambda m=module: owner._init_weights(m), lambda p: id(p) in rewritten)  # type: ignore[misc,union-attr]
+            replay(module, functools.partial(init_weights, module), lambda p: id(p) in rewritten)
     return len(done)
