@@ -20,7 +20,9 @@ ACTIVATIONS = {
 
 
 def test_every_activation_preset_is_covered() -> None:
-    assert {p.stem for p in (REPO_ROOT / "lightning_trainopt" / "conf" / "activations").glob("*.yaml")} == set(ACTIVATIONS)
+    assert {p.stem for p in (REPO_ROOT / "lightning_trainopt" / "conf" / "activations").glob("*.yaml")} == set(
+        ACTIVATIONS
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
