@@ -40,11 +40,10 @@ class ActivationCheckpointing(Callback):
     ``gradient_checkpointing_enable()``) is left alone with a warning: a second wrap saves nothing and recomputes
     twice.
 
-    Hugging Face models keep a KV cache by default (``config.use_cache=True``), and a recomputed forward would append
-    its keys and values to that cache a second time (with a padded ``attention_mask``: "The size of tensor a (256)
-    must match the size of tensor b (128)" in backward; without one, attention over the doubled keys). So while it
-    checkpoints, ``config.use_cache`` of every Hugging Face model in the module is ``False``, as
-    ``gradient_checkpointing_enable()`` makes it for training; one line says so, and ``teardown`` restores it.
+    Hugging Face models keep a KV cache by default (``config.use_cache=True``): the recomputed forward gets an empty
+    cache of the same class, so it neither appends to the model's cache a second time nor computes differently from
+    the forward it replays (see :func:`~lightning_trainopt.transforms.checkpointing.apply_activation_checkpointing`);
+    ``use_cache`` is left as it is.
 
     Raises:
         ConfigError: a bad ``every_k``, both selectors given, or (at fit start) a policy that matches nothing, a
@@ -69,7 +68,6 @@ class ActivationCheckpointing(Callback):
         )
         self.plan: CheckpointPlan | None = None
         self._applied_to: pl.LightningModule | None = None
-        self._cache_off: list[Any] = []  # the Hugging Face configs whose use_cache this fit switched off
 
     @property
     def recomputed_fraction(self) -> float:
@@ -95,28 +93,11 @@ class ActivationCheckpointing(Callback):
                 category=UserWarning,
             )
             return
-        self._switch_cache_off(pl_module)
         rank_zero_info(
             f"ActivationCheckpointing: {len(self.plan.wrapped)} of {self.plan.n_candidates} modules checkpointed "
             f"({', '.join(self.plan.wrapped[:4])}{', ...' if len(self.plan.wrapped) > 4 else ''}); "
             f"{self.plan.recomputed_fraction:.0%} of the forward matmuls recomputed."
         )
-
-    def _switch_cache_off(self, pl_module: pl.LightningModule) -> None:
-        owners: dict[int, tuple[str, Any]] = {}
-        for name, module in pl_module.named_modules():
-            config = getattr(module, "config", None)
-            if getattr(config, "use_cache", None) is True and id(config) not in owners:
-                owners[id(config)] = (name or type(pl_module).__name__, config)
-        for _, config in owners.values():
-            config.use_cache = False
-        self._cache_off = [config for _, config in owners.values()]
-        if owners:
-            names = ", ".join(f"{name}.config.use_cache" for name, _ in owners.values())
-            rank_zero_info(
-                f"ActivationCheckpointing: {names} set to False for this fit, as gradient_checkpointing_enable() does "
-                "for training: a recomputed forward would append to the KV cache again. Restored at the end of fit."
-            )
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -127,9 +108,6 @@ class ActivationCheckpointing(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.plan is not None:
             remove_activation_checkpointing(pl_module, self.plan.wrapped)
-        for config in self._cache_off:
-            config.use_cache = True
-        self._cache_off = []
         self._applied_to = None
 
     def summary(self) -> dict[str, Any]:

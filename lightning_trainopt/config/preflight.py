@@ -90,6 +90,9 @@ class PreflightInput:
         fp8_backend: ``torchao`` (``precision=fp8``) or ``transformer_engine`` (``fp8_te``); ``None`` without FP8.
         fp8_emulate: ``precision.emulate`` (``None``: emulate on CPU only).
         transforms_model: the preset changes the model before the strategy wraps it (FP8, ``keep_fp32``).
+        techniques: the model rewrites the config turns on, as rows of
+            :data:`~lightning_trainopt.parallel.compat_table.TABLE` (``fp8``, ``checkpoint``, ``compile``...);
+            default: ``fp8``/``keep_fp32`` from the precision fields above.
     """
 
     strategy: StrategySpec = _NO_STRATEGY
@@ -104,6 +107,15 @@ class PreflightInput:
     fp8_backend: str | None = None
     fp8_emulate: bool | None = None
     transforms_model: bool = False
+    techniques: tuple[str, ...] | None = None
+
+    def rewrites(self) -> tuple[str, ...]:
+        """The table rows that apply: :attr:`techniques`, else what the precision fields imply."""
+        if self.techniques is not None:
+            return self.techniques
+        if self.fp8_backend is not None:
+            return ("fp8",)
+        return ("keep_fp32",) if self.transforms_model else ()
 
     @property
     def optimizer(self) -> str | None:
@@ -208,14 +220,6 @@ RULES: tuple[Rule, ...] = (
         _gpu_below_fp8,
         _gpu_keys,
         machine_specific=True,
-    ),
-    Rule(
-        "FP8 or keep_fp32 + FSDP1",
-        "Lightning's FSDPStrategy (FSDP1) needs its own FSDPPrecision plugin, which cannot convert layers to FP8 "
-        "or keep modules in fp32.",
-        "use +strategy=fsdp (FSDP2 through ModelParallelStrategy), which takes these presets.",
-        lambda p: p.transforms_model and p.strategy.fsdp_version == 1,
-        lambda p: {"precision": p.precision_preset, "strategy": p.preset},
     ),
     Rule(
         "8-bit optimizer + offload",
@@ -456,9 +460,52 @@ def preflight(p: PreflightInput | Any) -> list[str]:
     for rule in RULES:
         if rule.applies(p):
             raise IncompatibleConfigError(rule.keys(p), rule.reason, rule.fix)
+    check_rewrite_table(p)
     _check_nvme(p)
     advice = size_advice(p.n_params, p.strategy) if p.n_params and p.strategy.chosen else None
     return [advice] if advice else []
+
+
+def check_rewrite_table(p: PreflightInput) -> None:
+    """Refuse a technique x strategy pair that :data:`~lightning_trainopt.parallel.compat_table.TABLE` refuses.
+
+    Raises:
+        IncompatibleConfigError: the first refused pair, naming the technique's key and the strategy.
+    """
+    from lightning_trainopt.parallel.compat_table import TECHNIQUE_KEYS, TECHNIQUES, cell, family_of
+
+    family = family_of(p.strategy.kind, p.strategy.zero_stage, p.strategy.fsdp_version)
+    if family is None:
+        return
+    for technique in TECHNIQUES:
+        refusal = cell(technique, family) if technique in p.rewrites() else None
+        if refusal is not None:
+            key = TECHNIQUE_KEYS[technique]
+            value = p.precision_preset if key == "precision" else technique
+            raise IncompatibleConfigError({key: value, "strategy": p.preset}, refusal.reason, refusal.fix)
+
+
+def config_techniques(cfg: Any, precision: dict[str, Any]) -> tuple[str, ...]:
+    """The rows of the rewrite table a composed config turns on (precision, ``activations``, ``compile``, ``loss``)."""
+    found = []
+    if precision.get("backend") is not None:
+        found.append("fp8")
+    elif _transforms_model(precision):
+        found.append("keep_fp32")
+    targets = [str(node.get("_target_", "")) for node in (cfg.get("activations") or {}).values() if node]
+    for name, technique in (
+        ("ActivationCheckpointing", "checkpoint"),
+        ("ActivationOffload", "offload"),
+        ("ActivationCompression", "int8"),
+    ):
+        if any(t.endswith(name) for t in targets):
+            found.append(technique)
+    if cfg.get("compile"):
+        found.append("compile")
+    loss = cfg.get("loss") or {}
+    if str(loss.get("_target_", "")).endswith("ChunkedLMHeadLoss"):
+        found.append("chunked_ce")
+    return tuple(found)
 
 
 def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | None = None) -> list[str]:
@@ -506,6 +553,7 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
         fp8_backend=precision.get("backend"),
         fp8_emulate=precision.get("emulate"),
         transforms_model=_transforms_model(precision),
+        techniques=config_techniques(cfg, precision),
     )
     check_packages(required_packages(p))
     return preflight(p)
@@ -544,4 +592,6 @@ def compatibility_matrix_markdown() -> str:
     """The refused combinations as a markdown table (pasted into docs/strategies.md)."""
     lines = ["| combination | why it is refused | use instead |", "|---|---|---|"]
     lines += [f"| {r.combination} | {r.reason} | {r.fix} |" for r in RULES]
-    return "\n".join(lines)
+    from lightning_trainopt.parallel.compat_table import refusals_markdown
+
+    return "\n".join([*lines, refusals_markdown()])

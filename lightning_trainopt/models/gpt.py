@@ -20,6 +20,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        """Ones, as built (FSDP2's meta-device build materialises the weight empty and calls this)."""
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 for stability under bf16/fp16 autocast, then cast back.
         xf = x.float()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +16,8 @@ from typing_extensions import override
 
 from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
+from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
 from lightning_trainopt.transforms.blocks import block_classes, own_class
@@ -39,49 +41,6 @@ def _without_configure_model_check(module: pl.LightningModule) -> Iterator[None]
         module.__dict__.pop("configure_model", None)
 
 
-def apply_fully_shard(
-    root: torch.nn.Module, shard_modules: list[str], mesh: Any, cpu_offload: bool, reshard_after_forward: bool
-) -> int:
-    """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
-
-    Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
-    Idempotent: a module that is already an FSDP2 unit is left as it is, because Lightning runs the strategy's
-    ``setup`` again for every ``validate``/``test`` after ``fit`` on the same (sharded) model, and ``fully_shard``
-    refuses a second application to one module.
-
-    Returns:
-        the number of modules sharded by this call (0 when the model was already sharded).
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {
-        "mesh": mesh,
-        "reshard_after_forward": reshard_after_forward,
-        "offload_policy": CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
-    }
-    count = 0
-    for module in root.modules():
-        if module is not root and own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
-            fully_shard(module, **kwargs)
-            count += 1
-    for child in _top_level_units(root):
-        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
-            count += 1
-    return count
-
-
-def _top_level_units(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The children of ``root``, with a container (``nn.ModuleList``/``nn.ModuleDict``, which has no ``forward`` and
-    which ``fully_shard`` refuses) replaced by its own children, recursively: a user's module that keeps its blocks in
-    an ``nn.ModuleList`` directly, not inside a model module."""
-    for child in root.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            yield from _top_level_units(child)
-        else:
-            yield child
-
-
 class TrainOptFSDPStrategy(ModelParallelStrategy):
     """FSDP2 full sharding over all processes (no tensor parallelism), usable with any LightningModule.
 
@@ -97,6 +56,9 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
         preset: name reported in metrics.
+        meta_init: build our GPT presets on the meta device and initialise each rank's shards after ``fully_shard``
+            (the same values as a whole build from the same seed; a rank never holds the whole model). ``False``:
+            build the whole model in host memory on every rank first.
         **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments.
 
     Example::
@@ -112,6 +74,7 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         preset: str = "fsdp",
+        meta_init: bool = True,
         **kwargs: Any,
     ) -> None:
         if shard_modules is not None and (
@@ -128,6 +91,8 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reshard_after_forward = reshard_after_forward
         self.preset = preset
+        self.meta_init = meta_init
+        self._meta_rng_state: torch.Tensor | None = None
         target = f"{type(self).__module__}.{type(self).__qualname__}"
         self.spec: StrategySpec = fsdp_spec(preset, target, cpu_offload, reshard_after_forward)
 
@@ -159,6 +124,36 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             )
         return self.shard_modules
 
+    def builds_on_meta(self, module: pl.LightningModule | None) -> bool:
+        """``configure_model`` of ``module`` runs on the meta device: our GPT presets, whose init the strategy replays
+        per shard after ``fully_shard`` (:mod:`~lightning_trainopt.parallel.meta_init`). A Hugging Face model (its
+        pretrained weights are loaded whole by ``from_pretrained``) and a user's module are built whole in host memory
+        on every rank, as before."""
+        from lightning_trainopt.models import LitGPT
+
+        return self.meta_init and isinstance(module, LitGPT) and module.model is None
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if empty_init is False or not self.builds_on_meta(self.lightning_module):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # The replay after fully_shard draws from the generator state the eager build would have started from.
+        self._meta_rng_state = torch.get_rng_state()
+        with super().tensor_init_context(empty_init=True):
+            yield
+
+    def _materialize(self, model: torch.nn.Module) -> None:
+        """Storage and initial values for this rank's shards of a model built on the meta device."""
+        if not has_meta_tensors(model):
+            return
+        device = torch.device("cpu") if self.cpu_offload else self.root_device
+        n = materialize_sharded(model, device, self._meta_rng_state)
+        self._meta_rng_state = None
+        rank_zero_info(f"FSDP2: built on the meta device; {n} parameters initialised shard by shard on {device}.")
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
@@ -170,13 +165,15 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             # FP8 (torchtitan's order). Lightning's own call in super().setup() then finds the model converted.
             self.precision_plugin.transform(self.model)
         units = self._units(self.model)
-        n = apply_fully_shard(
-            self.model,
-            units,
-            self.device_mesh["data_parallel"],
-            self.cpu_offload,
-            self.reshard_after_forward,
+        # The ordered rewrite's last step (its layer conversion ran just above, through the precision plugin, which
+        # keeps the report PrecisionReport reads).
+        plan = RewritePlan(
+            shard="fsdp2",
+            shard_modules=tuple(units),
+            cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward,
         )
+        n = apply_rewrites(self.model, plan, self.device_mesh["data_parallel"]).sharded
         if n == 0 and not already:
             raise ConfigError(
                 "strategy.shard_modules",
@@ -188,6 +185,7 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
             rank_zero_info(
                 f"FSDP2: {n} modules sharded over {self.world_size} processes ({by}; cpu_offload={self.cpu_offload})."
             )
+        self._materialize(self.model)
         module = self.lightning_module
         with contextlib.nullcontext() if module is None else _without_configure_model_check(module):
             super().setup(trainer)

@@ -12,9 +12,12 @@ Read for the demo model as ``train.py`` builds it (lightning 2.6, deepspeed 0.19
 - DeepSpeed ZeRO-3: ``deepspeed.zero.Init`` partitions each parameter as its module is built; then
   ``parallel/deepspeed.py`` re-runs the model's init (``_rerun_custom_init``) one module at a time inside
   ``GatheredParameters``: at most one block or the embedding gathered at once, beside the partitions.
-- FSDP2: Lightning's ``ModelParallelStrategy`` gives ``configure_model`` no device, so the whole model is built in
-  host memory on every rank (fp32 unless ``*-true``); ``fully_shard`` then moves one unit at a time to the device and
-  shards it: the device holds the shards so far plus one whole unit.
+- FSDP2: ``TrainOptFSDPStrategy`` builds our GPT on the meta device, ``fully_shard``s it there and then gives each
+  rank storage for its own shards only (on the device, or in host memory under ``CPUOffloadPolicy``), replaying the
+  model's init one parameter at a time into a whole temporary in host memory (``parallel/meta_init.py``): the host
+  holds one whole parameter (the embedding) at a time, never the model. (Before, the whole model was built in host
+  memory on every rank: ``bench/fsdp_build_memory.py`` measured gpt_350m on 2 ranks at 1.14 x its fp32 bytes per
+  rank, now 0.52 x, of which 0.5 x are the rank's shards.)
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def build_terms(
         weight_bytes: bytes per element of the weights as built (``model_states.param_dtype_bytes``).
         layout: the strategy.
         world_size: data-parallel ranks.
-        largest_unit: elements of FSDP2's largest unit (FSDP only).
+        largest_unit: elements of FSDP2's largest unit (unused since FSDP2 builds on the meta device; kept for
+            callers).
         largest_gather: elements ZeRO-3 gathers at once to re-run the model's init: its largest block or single
             parameter (the embedding); default: the largest parameter.
     """
@@ -79,20 +83,14 @@ def build_terms(
         if layout.offload_params == "none":
             terms.append(Term("params", "device", "weight partitions", b * shards, f"{whole} / {w}", phase="build"))
         return terms
-    unit = min(largest_unit, n)
-    terms = [
-        Term("params", "cpu", "whole model built in host memory (before fully_shard)", b * n, whole, phase="build")
-    ]
-    if layout.offload_params == "none":
-        # Under CPUOffloadPolicy the shards stay in host memory.
-        terms.append(
-            Term(
-                "params",
-                "device",
-                "shards + one whole unit while fully_shard moves it",
-                b * (shards + unit),
-                f"{b} B x ({_gb(n)} / {w} + {_gb(unit)})",
-                phase="build",
-            )
-        )
-    return terms
+    largest = max(numels, default=0)
+    temporary = Term(
+        "params",
+        "cpu",
+        "one whole parameter at a time, drawn to initialise its shards (meta-device build)",
+        b * largest,
+        f"{b} B x {_gb(largest)} (parallel/meta_init.py)",
+        phase="build",
+    )
+    place = "device" if layout.offload_params == "none" else "cpu"  # CPUOffloadPolicy keeps the shards on the host
+    return [temporary, Term("params", place, "this rank's shards", b * shards, f"{whole} / {w}", phase="build")]

@@ -220,11 +220,44 @@ def self_checkpointing_modules(root: nn.Module) -> list[str]:
     return [n or "<root>" for n, m in root.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
 
 
+def _is_kv_cache(value: Any) -> bool:
+    """``value`` is a Hugging Face KV cache (a ``transformers.cache_utils.Cache``), told by its class hierarchy."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def _fresh_cache(cache: Any) -> Any:
+    """An empty cache of ``cache``'s class, or ``None`` for a class that needs arguments (``EncoderDecoderCache``)."""
+    try:
+        return type(cache)()
+    except TypeError:
+        return None
+
+
 def _checkpointed_forward(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """``original(*args, **kwargs)`` under non-reentrant checkpointing.
+
+    A Hugging Face block is called with the model's KV cache (``config.use_cache=True``, the default), and its forward
+    appends this step's keys and values to it. The recompute in backward gets an empty cache of the same class
+    instead: appending to the model's cache a second time would double the keys (with a padded ``attention_mask``
+    backward fails: "The size of tensor a (8) must match the size of tensor b (4)"), and passing no cache would run
+    attention on the uncached key/value views where the forward ran it on the cache's copies, which rounds
+    differently (transformers 5.25, GPT-2 with attention dropout: weights 1e-6 apart after 2 steps). With an empty
+    cache the recompute replays the forward exactly, and the user's ``use_cache`` is left as it is.
+    """
     if not torch.is_grad_enabled():
         # Evaluation and inference save nothing for backward; checkpointing would only cost time.
         return original(*args, **kwargs)
-    return checkpoint(original, *args, use_reentrant=False, **kwargs)
+    calls = 0
+
+    def run(*a: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:  # the recompute in backward
+            a = tuple(_fresh_cache(v) if _is_kv_cache(v) else v for v in a)
+            kw = {k: _fresh_cache(v) if _is_kv_cache(v) else v for k, v in kw.items()}
+        return original(*a, **kw)
+
+    return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) -> CheckpointPlan:

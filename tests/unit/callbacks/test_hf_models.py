@@ -70,18 +70,16 @@ def _trained(kind: str, batches: list, callbacks: list) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)
-def test_activation_checkpointing_trains_padded_hf_batches_as_without_it(kind, caplog):
-    # With the KV cache on (the models' default), the recomputed forward appended to the cache again and backward
-    # failed on padded batches ("The size of tensor a (8) must match the size of tensor b (4)").
+def test_activation_checkpointing_trains_padded_hf_batches_as_without_it(kind):
+    # With the KV cache on (the models' default), a recomputed forward that appended to the cache again made backward
+    # fail on padded batches ("The size of tensor a (8) must match the size of tensor b (4)"); one run without the
+    # cache rounds differently from one with it (GPT-2's attention dropout, transformers 5.25), so the cache stays on
+    # and the recompute gets an empty one.
     batches = hf_batches(3)
     plain, _ = _trained(kind, batches, [])
-    with caplog.at_level(logging.INFO):
-        checkpointed, module = _trained(kind, batches, [ActivationCheckpointing()])
+    checkpointed, module = _trained(kind, batches, [ActivationCheckpointing()])
     assert torch.equal(checkpointed, plain)
-    said = [r.getMessage() for r in caplog.records if "use_cache" in r.getMessage()]
-    assert len(said) == 1
-    assert said[0].startswith("ActivationCheckpointing: model.config.use_cache set to False for this fit")
-    assert module.model.config.use_cache is True  # restored at teardown
+    assert module.model.config.use_cache is True  # the user's setting, untouched
 
 
 def test_activation_checkpointing_leaves_a_cache_that_is_off_alone(caplog):

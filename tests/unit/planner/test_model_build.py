@@ -62,15 +62,18 @@ def test_zero3_builds_partitions_plus_one_block_gathered():
     assert e.device_fits is True
 
 
-def test_fsdp_builds_the_whole_model_in_host_memory_on_every_rank():
+def test_fsdp_builds_on_the_meta_device_so_a_rank_holds_its_shards_and_one_whole_parameter():
     fsdp = StrategyLayout("fsdp", "fsdp")
     e = _plan(fsdp, 8, 80, host=384 * GIB)
     n = LLAMA_13B.n_params()
-    # Lightning's ModelParallelStrategy builds on the CPU in fp32 (bf16-mixed): 8 ranks x 4 B x 13e9 = 388 GiB.
-    assert e.memory.build_bytes("cpu") == 4 * n
-    assert e.host_bytes_per_node == 8 * 4 * n
-    assert e.host_fits is False
-    assert e.device_fits is True
-    assert e.fits is False  # a build that does not fit is not a fit, whatever the step needs
-    # bf16-true builds in bf16.
-    assert _plan(fsdp, 8, 80, precision="bf16-true", host=384 * GIB).host_fits is True
+    embedding = LLAMA_13B.vocab_size * LLAMA_13B.d_model  # the largest parameter (lm_head is as large)
+    # fp32 under bf16-mixed: one whole parameter in host memory at a time, never the model (4 B x 13e9 = 48 GiB).
+    assert e.memory.build_bytes("cpu") == 4 * embedding
+    assert e.host_fits is True
+    shards = [t for t in e.memory.terms if t.phase == "build" and t.label == "this rank's shards"]
+    assert len(shards) == 1
+    assert shards[0].location == "device"
+    assert 4 * n / 8 <= shards[0].nbytes < 4 * n / 8 + GIB
+    # Under CPUOffloadPolicy the shards are built in host memory.
+    offload = StrategyLayout("fsdp_offload", "fsdp", offload_optimizer="cpu", offload_params="cpu")
+    assert _plan(offload, 8, 80, host=384 * GIB).memory.build_bytes("cpu") == 4 * embedding + shards[0].nbytes

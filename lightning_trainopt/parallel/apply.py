@@ -1,0 +1,236 @@
+"""The ordered model rewrite: every change to a built model, applied in one function, in one documented order.
+
+:func:`apply_rewrites` applies what a :class:`RewritePlan` asks for, in this order (torchtitan's
+``parallelize_llama`` order; each step says why it sits where it does):
+
+1. **layer conversions** (FP8 linear layers, ``keep_fp32`` modules; adapters join here): they replace or re-wrap
+   leaf modules, so every later step must see the final modules: tensor parallelism needs FP8-aware plans, and
+   ``fully_shard`` must all-gather torchao's FP8 weight subclass, not a plain weight.
+2. **tensor parallelism**: a later issue; the step exists, named, and refuses ``tensor_parallel > 1`` until then.
+   It must follow the conversions (it shards the converted layers) and precede checkpointing (which wraps blocks
+   whose layers are already DTensor-parallel).
+3. **activation memory** (checkpointing, then a saved-tensors transform: CPU offload or int8): wraps the blocks'
+   ``forward`` on the instance; before compile, so the checkpoint region is traced inside each compiled block.
+4. **compile**: one way, per repeated block where the model has one (regional compilation: one graph reused by every
+   block), else per parameter-holding child; in place, so parameter names stay.
+5. **sharding**: FSDP2 ``fully_shard`` of each block, then each top-level child, last: it shards whatever the steps
+   above produced, and FSDP2's per-unit hooks then wrap the compiled, checkpointed blocks. DeepSpeed is a hand-off:
+   its engine wraps the model after this function returns.
+
+A new transform goes where its inputs are final and its outputs are what the later steps expect: something that
+swaps modules goes in step 1, something that wraps a block's ``forward`` in step 3.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
+from lightning_trainopt.precision.convert import ConversionReport, convert_model
+from lightning_trainopt.precision.spec import PrecisionSpec
+from lightning_trainopt.transforms.blocks import block_classes, own_class
+from lightning_trainopt.transforms.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing
+from lightning_trainopt.transforms.compile import compile_blocks
+
+__all__ = [
+    "STEPS",
+    "RewritePlan",
+    "RewriteReport",
+    "apply_fully_shard",
+    "apply_rewrites",
+    "compile_model",
+    "with_saved_tensors",
+]
+
+#: The steps of :func:`apply_rewrites`, in the order they run.
+STEPS = ("convert", "tensor_parallel", "activations", "compile", "shard")
+
+_SAVED_TENSORS_FORWARD = "_trainopt_saved_tensors_forward"
+
+
+@dataclass(frozen=True)
+class RewritePlan:
+    """What :func:`apply_rewrites` applies; every field off by default.
+
+    Args:
+        precision: a precision preset that converts layers (FP8) or keeps modules in fp32; ``None``: no conversion.
+        emulate_fp8: torchao emulates the FP8 GEMMs in fp32 (on CPU).
+        tensor_parallel: tensor-parallel degree; only 1 for now.
+        checkpoint: which blocks to checkpoint; ``None``: none.
+        saved_tensors: a transform of the activations saved for backward (``CpuOffloader``, ``Int8Compressor``),
+            active during the model's forward.
+        compile: ``torch.compile`` per block (else per child).
+        compile_kwargs: passed to ``torch.compile``.
+        shard: ``fsdp2`` (``fully_shard`` here, with ``mesh``), ``deepspeed`` (the engine wraps later) or ``none``.
+        shard_modules: FSDP2 units (class names); ``None``: the model's repeated block.
+        cpu_offload: FSDP2's ``CPUOffloadPolicy``.
+        reshard_after_forward: FSDP2 frees gathered parameters after forward.
+    """
+
+    precision: PrecisionSpec | None = None
+    emulate_fp8: bool = False
+    tensor_parallel: int = 1
+    checkpoint: CheckpointPolicy | None = None
+    saved_tensors: SavedTensorsTransform | None = None
+    compile: bool = False
+    compile_kwargs: dict[str, Any] = field(default_factory=dict)
+    shard: Literal["none", "fsdp2", "deepspeed"] = "none"
+    shard_modules: tuple[str, ...] | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class RewriteReport:
+    """What :func:`apply_rewrites` did, step by step (``steps`` lists the steps that changed the model, in order)."""
+
+    steps: list[str] = field(default_factory=list)
+    conversion: ConversionReport | None = None
+    checkpoint: CheckpointPlan | None = None
+    compiled: list[str] = field(default_factory=list)
+    sharded: int = 0
+
+
+def compile_model(model: nn.Module, **compile_kwargs: Any) -> list[str]:
+    """``torch.compile`` ``model`` in place, the one way the rewrite compiles: each repeated block where the model
+    has one (:func:`~lightning_trainopt.transforms.compile.compile_blocks`), else each parameter-holding child (a
+    ``ModuleList``'s modules one by one: a container has no forward of its own). Idempotent.
+
+    Returns:
+        the names of the modules compiled by this call.
+    """
+    if block_classes(model):
+        return compile_blocks(model, **compile_kwargs)
+
+    def units(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                yield from units(child, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", child
+
+    compiled = []
+    for name, child in units(model, ""):
+        if any(True for _ in child.parameters()) and getattr(child, "_compiled_call_impl", None) is None:
+            child.compile(**compile_kwargs)
+            compiled.append(name)
+    return compiled
+
+
+def with_saved_tensors(model: nn.Module, transform: SavedTensorsTransform) -> None:
+    """Run ``model``'s forward under ``transform`` (activation offload or int8), on the instance. Idempotent.
+
+    The unpack hook is stored with each saved tensor when it is packed, so the transform only needs to be active
+    while the forward saves them; backward unpacks them wherever it runs.
+    """
+    if _SAVED_TENSORS_FORWARD in model.__dict__:
+        return
+    own = model.forward
+    model.__dict__[_SAVED_TENSORS_FORWARD] = own
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        context: AbstractContextManager[Any] = transform_saved_tensors(transform)
+        with context:
+            return own(*args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+
+
+def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None) -> RewriteReport:
+    """Apply ``plan`` to ``model`` in place, in the order of :data:`STEPS` (see the module docstring for why).
+
+    Args:
+        model: the LightningModule (or any module) with its model built, on the meta device or not.
+        plan: what to apply.
+        mesh: the data-parallel device mesh, for ``plan.shard == "fsdp2"``.
+
+    Raises:
+        ConfigError: ``tensor_parallel`` above 1, FSDP2 without a mesh, or a transform's own refusal.
+    """
+    report = RewriteReport()
+    if plan.precision is not None:
+        report.conversion = convert_model(model, plan.precision, emulate=plan.emulate_fp8, fsdp=plan.shard == "fsdp2")
+        report.steps.append("convert")
+    _tensor_parallel(plan.tensor_parallel)
+    if plan.checkpoint is not None:
+        report.checkpoint = apply_activation_checkpointing(model, plan.checkpoint)
+        report.steps.append("activations")
+    if plan.saved_tensors is not None:
+        with_saved_tensors(model, plan.saved_tensors)
+        if "activations" not in report.steps:
+            report.steps.append("activations")
+    if plan.compile:
+        report.compiled = compile_model(model, **plan.compile_kwargs)
+        report.steps.append("compile")
+    if plan.shard == "fsdp2":
+        report.sharded = _fully_shard(model, plan, mesh)
+        report.steps.append("shard")
+    return report
+
+
+def _tensor_parallel(degree: int) -> None:
+    """Step 2, tensor parallelism: a later issue. It will shard the converted layers with FP8-aware plans."""
+    if degree != 1:
+        raise ConfigError(
+            "strategy.tensor_parallel_size",
+            degree,
+            "tensor parallelism is not applied by the model rewrite yet; use 1 (data parallelism: ddp, zero*, fsdp).",
+        )
+
+
+def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:
+    if mesh is None:
+        raise ConfigError("strategy", "fsdp", "FSDP2 needs the data-parallel device mesh: pass mesh=...")
+    units = list(plan.shard_modules) if plan.shard_modules is not None else block_classes(model)
+    return apply_fully_shard(model, units, mesh, plan.cpu_offload, plan.reshard_after_forward)
+
+
+def apply_fully_shard(
+    root: torch.nn.Module, shard_modules: list[str], mesh: Any, cpu_offload: bool, reshard_after_forward: bool
+) -> int:
+    """``fully_shard`` every sub-module whose class name is in ``shard_modules``, then each top-level child.
+
+    Works for any LightningModule: the LightningModule itself is not wrapped, only its parameter-holding children.
+    Idempotent: a module that is already an FSDP2 unit is left as it is, because Lightning runs the strategy's
+    ``setup`` again for every ``validate``/``test`` after ``fit`` on the same (sharded) model, and ``fully_shard``
+    refuses a second application to one module.
+
+    Returns:
+        the number of modules sharded by this call (0 when the model was already sharded).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy(),
+    }
+    count = 0
+    for module in root.modules():
+        if module is not root and own_class(module).__name__ in shard_modules and not isinstance(module, FSDPModule):
+            fully_shard(module, **kwargs)
+            count += 1
+    for child in _top_level_units(root):
+        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+            count += 1
+    return count
+
+
+def _top_level_units(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The children of ``root``, with a container (``nn.ModuleList``/``nn.ModuleDict``, which has no ``forward`` and
+    which ``fully_shard`` refuses) replaced by its own children, recursively: a user's module that keeps its blocks in
+    an ``nn.ModuleList`` directly, not inside a model module."""
+    for child in root.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            yield from _top_level_units(child)
+        else:
+            yield child
