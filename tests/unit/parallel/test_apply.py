@@ -113,8 +113,6 @@ def test_every_ok_cell_passes_preflight():
             assert TABLE[technique][family] is None
             spec = parse_strategy(STRATEGY_NODES[family])
             p = PreflightInput(strategy=spec, accelerator="cpu", techniques=(technique,))
-                strategy=parse_strategy(STRATEGY_NODES[family]), accelerator="cpu", techniques=(technique,)
-            )
             assert preflight(p) == []  # composes: no refusal and no advice
 
 
