@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import gc
 import json
 import logging
 import re
@@ -43,6 +44,7 @@ __all__ = [
     "hydra_error_line",
     "keep_earlier_hydra_record",
     "plan_main",
+    "release_before_exit",
     "run_hydra",
     "train_main",
     "user_error",
@@ -331,11 +333,21 @@ def train_main() -> None:
     except TrainOptError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    # Before the interpreter finalizes, not during it: a gloo process group still alive then can hold tensors in its
-    # worker threads whose release needs the GIL while it is being torn down, and aborts the process (SIGABRT; torch
-    # PR 179291). A run that succeeds has torn it down already; this covers one that raised.
-    atexit.register(teardown_distributed)
+    atexit.register(release_before_exit)
     run_hydra(_train_task, "train")
+
+
+def release_before_exit() -> None:
+    """Tear the process group down and free the run's objects while the interpreter is still whole (at exit).
+
+    What is left for the interpreter's finalization can abort the process there (SIGABRT), after a job that
+    succeeded: a gloo group still alive holds tensors in its worker threads whose release needs the GIL while it is
+    being torn down (torch PR 179291), and the Trainer, the DeepSpeed engine and their tensors live on in reference
+    cycles until a collection that may only come during finalization. A run that succeeded has torn its group down
+    already (``train()``); one that raised has not. Registered with ``atexit``, so the exit code is kept.
+    """
+    teardown_distributed()
+    gc.collect()
 
 
 def plan_main() -> None:

@@ -20,7 +20,7 @@ def test_train_main_returns_on_a_child_rank_with_the_teardown_registered(monkeyp
     monkeypatch.setenv("LOCAL_RANK", "1")
     cli.train_main()  # returns: no os._exit, the interpreter's exit follows
     assert calls == ["train"]
-    assert registered == [cli.teardown_distributed]
+    assert registered == [cli.release_before_exit]
 
 
 def test_a_child_rank_whose_job_is_refused_exits_non_zero(tmp_path):
