@@ -9,14 +9,25 @@ Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_h
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from lightning_trainopt._compat._guard import UpstreamChangedError, changed, private_attr
+
 __all__ = [
+    "TORCH_RANGE",
     "MetaTruthValues",
+    "compiled_original",
+    "fake_tensor_mode",
+    "has_compiled_call",
+    "pre_fsdp_class",
+    "replace_own_tensors",
+    "tensor_base",
+    "tensor_version",
     "builtin_linear",
+    "own_parameters",
     "restore_builtin_linear",
     "RecomputeFlopCounter",
     "ddp_comm_hook_name",
@@ -299,3 +310,73 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
         )
     with context(module, tensors):
         yield
+
+
+#: The torch versions the wrappers below were written and tested against: ``[low, high)``.
+TORCH_RANGE = ("2.4", "2.14")
+
+
+def _torch_changed(what: str) -> UpstreamChangedError:
+    return changed("torch", what, *TORCH_RANGE, "torch_internals")
+
+
+def fake_tensor_mode() -> Any:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode``: tensors with shapes, dtypes and storages, no data."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError as err:
+        raise _torch_changed("torch._subclasses.fake_tensor.FakeTensorMode") from err
+    return FakeTensorMode()
+
+
+def replace_own_tensors(module: torch.nn.Module, replace: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Swap each parameter and buffer ``module`` itself holds (not its children's) for ``replace(tensor)``.
+
+    Writes ``nn.Module._parameters``/``_buffers`` directly: ``setattr`` would refuse a plain tensor in place of a
+    parameter and re-register buffers, and the swap must keep each entry's kind and position.
+    """
+    params = private_attr(module, "_parameters", "torch", *TORCH_RANGE, "torch_internals")
+    buffers = private_attr(module, "_buffers", "torch", *TORCH_RANGE, "torch_internals")
+    for key, p in params.items():
+        if p is not None:
+            params[key] = replace(p)
+    for key, b in buffers.items():
+        if b is not None:
+            buffers[key] = replace(b)
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """``module``'s own parameter slots, the live dict (``nn.Module._parameters``): writing to it re-points a slot
+    without ``register_parameter``'s checks, as the meta build's whole-parameter stand-ins and re-tying need."""
+    return private_attr(module, "_parameters", "torch", *TORCH_RANGE, "torch_internals")  # type: ignore[no-any-return]
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version``: the counter torch bumps at each in-place write (autograd checks saved tensors with it)."""
+    return int(private_attr(t, "_version", "torch", *TORCH_RANGE, "torch_internals"))
+
+
+def tensor_base(t: torch.Tensor) -> torch.Tensor | None:
+    """``t._base``: the tensor ``t`` is a view of, ``None`` for a tensor that owns its storage."""
+    base = private_attr(t, "_base", "torch", *TORCH_RANGE, "torch_internals")
+    return base if isinstance(base, torch.Tensor) else None
+
+
+def pre_fsdp_class(cls: type) -> type:
+    """The module class before FSDP2's ``fully_shard`` swapped it for its ``FSDP<Name>`` subclass, else ``cls``.
+
+    ``fully_shard`` records the original's position in the new class's MRO as ``_orig_cls_mro_index``.
+    """
+    index = getattr(cls, "_orig_cls_mro_index", None)
+    return cls.__mro__[index] if isinstance(index, int) else cls
+
+
+def has_compiled_call(module: torch.nn.Module) -> bool:
+    """``module.compile()`` was called on this module itself (``nn.Module._compiled_call_impl`` is set)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``module`` itself."""
+    original = getattr(module, "_orig_mod", module)
+    return original if isinstance(original, torch.nn.Module) else module

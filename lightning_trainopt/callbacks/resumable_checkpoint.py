@@ -14,6 +14,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import (
+    checkpoint_every_n_train_steps,
+    save_last_checkpoint,
+    set_received_sigterm,
+)
+
 __all__ = ["ResumableCheckpoint"]
 
 
@@ -63,18 +69,11 @@ class ResumableCheckpoint(ModelCheckpoint):
             return
         self._boundary_step = trainer.global_step
         self._stop_if_interrupted(trainer)
-        every = self._every_n_train_steps
+        every = checkpoint_every_n_train_steps(self)
         if not self.save_last or self.monitor is None or every < 1 or trainer.global_step % every:
             return
-        if self._should_skip_saving_checkpoint(trainer):
-            return  # the parent saved at this step (the metric existed), or this is no fit
-        candidates = self._monitor_candidates(trainer)
-        if self.monitor in candidates:
-            return  # the parent saved or deferred to a validation that is about to run
-        saved_step = self._last_global_step_saved
-        self._save_last_checkpoint(trainer, candidates)
-        # A validation at this same step must still write the top-k checkpoint, which checks this marker.
-        self._last_global_step_saved = saved_step
+        # Skipped where the parent saved at this step (the metric existed) or defers to a validation about to run.
+        save_last_checkpoint(self, trainer)
 
     # ----------------------------------------------------------------- interrupts
     @override
@@ -107,7 +106,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         """
         if self.save_on_interrupt and trainer.world_size > 1 and trainer.received_sigterm:
             self._sigterm = True
-            trainer._signal_connector.received_sigterm = False
+            set_received_sigterm(trainer, False)
 
     def _stop_if_interrupted(self, trainer: pl.Trainer) -> None:
         """After a Ctrl-C or SIGTERM on any rank, stop every rank at this same optimizer-step boundary.
@@ -123,7 +122,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         stop = self._sigint or self._sigterm or trainer.received_sigterm
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        trainer._signal_connector.received_sigterm = stop
+        set_received_sigterm(trainer, stop)
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:

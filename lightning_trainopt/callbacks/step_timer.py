@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import fetch_hooks, restore_fetch_hooks, set_fetch_hooks
 from lightning_trainopt._compat.torch_internals import is_compiled
 from lightning_trainopt.callbacks._comm_probe import CommProbe, attach_comm_probe
 from lightning_trainopt.callbacks._common import (
@@ -165,16 +166,15 @@ class StepTimer(Callback):
         # The training epoch loop hands its `_on_before_fetch`/`_on_after_fetch` methods to the data fetcher at every
         # epoch start (`_TrainingEpochLoop.on_run_start`); the fetcher calls them right around `next(iterator)`.
         # Instance attributes shadow the methods for that lookup; teardown removes them. Private API: guarded.
-        loop: Any = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        before = getattr(loop, "_on_before_fetch", None)
-        after = getattr(loop, "_on_after_fetch", None)
-        if loop is None or not (callable(before) and callable(after)):
+        hooks = fetch_hooks(trainer)
+        if hooks is None:
             self._fetch_timed = False
             rank_zero_info(
                 "StepTimer: this Lightning version has no fetch hooks on the training loop, so the dataloader fetch is "
                 "not timed; data_wait is the whole gap between steps (it then includes checkpointing and callbacks)."
             )
             return
+        loop, before, after = hooks
 
         def timed_before() -> None:
             before()
@@ -186,8 +186,7 @@ class StepTimer(Callback):
                 self._mark("fetch_end")
             after()
 
-        loop._on_before_fetch = timed_before
-        loop._on_after_fetch = timed_after
+        set_fetch_hooks(loop, timed_before, timed_after)
         self._fetch_patched = loop
         self._fetch_timed = True
 
@@ -223,10 +222,7 @@ class StepTimer(Callback):
                 del strategy.batch_to_device
             self._patched = None
         if self._fetch_patched is not None:
-            loop = self._fetch_patched
-            for name in ("_on_before_fetch", "_on_after_fetch"):
-                if name in vars(loop):
-                    delattr(loop, name)
+            restore_fetch_hooks(self._fetch_patched)
             self._fetch_patched = None
 
     @override

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import PathLike
 from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
 
 __all__ = ["AtomicCheckpointIO"]
@@ -22,7 +22,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None) -> None:
         staging = staging_path(path)
         try:
             super().save_checkpoint(checkpoint, staging, storage_options)

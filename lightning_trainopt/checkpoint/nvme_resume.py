@@ -1,9 +1,8 @@
 """Resume under ZeRO-Infinity's NVMe optimizer offload: restore what DeepSpeed's checkpoint loader leaves out.
 
-Uses DeepSpeed internals (ZeRO-3 optimizer ``_set_fp32_optimizer_param_groups``, ``_swappable_optimizer_subgroup``,
-``_reassign_or_swap_out_partitioned_parameters``, ``fp32_partitioned_groups_flat``, the optimizer swapper's
-``swap_params_info`` and swap-file naming, ``engine._get_zero_ckpt_name``) as of DeepSpeed 0.19; nothing else in the
-package touches them. ``tests/integration/test_strategies_nvme.py`` checks the resumed loss trajectory.
+Relies on DeepSpeed 0.19's ZeRO-3 internals: its private methods through ``_compat.deepspeed_internals``, and the
+public attributes ``fp32_partitioned_groups_flat``, the optimizer swapper's ``swap_params_info`` and swap-file
+naming. ``tests/integration/test_strategies_nvme.py`` checks the resumed loss trajectory.
 """
 
 from __future__ import annotations
@@ -15,6 +14,13 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
+
+from lightning_trainopt._compat.deepspeed_internals import (
+    fp32_param_groups_set,
+    refresh_partitioned_parameters,
+    swappable_subgroup,
+    zero_checkpoint_name,
+)
 
 __all__ = ["restore_nvme_optimizer_state"]
 
@@ -39,15 +45,14 @@ def restore_nvme_optimizer_state(engine: Any, checkpoint_dir: str) -> None:
     zero_optimizer = engine.optimizer
     swapper = zero_optimizer.optimizer_swapper
     tag = Path(checkpoint_dir, "latest").read_text().strip()
-    saved = torch.load(engine._get_zero_ckpt_name(checkpoint_dir, tag), map_location="cpu", weights_only=False)
+    saved = torch.load(zero_checkpoint_name(engine, checkpoint_dir, tag), map_location="cpu", weights_only=False)
     saved = saved["optimizer_state_dict"]
     zero_optimizer.loss_scaler = saved["loss_scaler"]
     zero_optimizer.dynamic_loss_scale = saved["dynamic_loss_scale"]
     zero_optimizer.overflow = saved["overflow"]
     inner, inner_saved = zero_optimizer.optimizer, saved["optimizer_state_dict"]
     # DeepSpeed fills the inner optimizer's groups with the fp32 partitions only around (de)serialisation.
-    zero_optimizer._set_fp32_optimizer_param_groups()
-    try:
+    with fp32_param_groups_set(zero_optimizer):
         for group, group_saved in zip(inner.param_groups, inner_saved["param_groups"], strict=True):
             group.update({k: v for k, v in group_saved.items() if k != "params"})
             for param, index in zip(group["params"], group_saved["params"], strict=True):
@@ -68,8 +73,6 @@ def restore_nvme_optimizer_state(engine: Any, checkpoint_dir: str) -> None:
                             "offloaded_tensors folder is complete."
                         )
                     state[key] = torch.from_file(path, shared=False, size=info.numel(), dtype=info.tensor_dtype)
-    finally:
-        zero_optimizer._clear_fp32_optimizer_param_groups()
     _restore_in_memory_masters(zero_optimizer, saved["fp32_flat_groups"])
     rank_zero_info(
         f"NVMe optimizer offload: restored Adam's moments and step ({_steps(inner)}), the param-group settings and "
@@ -86,7 +89,7 @@ def _restore_in_memory_masters(zero_optimizer: Any, saved_flat_groups: list[torc
     master in, refreshes that sub-group's working partitions from it, and re-gathers the persistent parameters
     (a collective: every rank runs it).
     """
-    in_memory = [i for i in range(len(saved_flat_groups)) if not zero_optimizer._swappable_optimizer_subgroup(i)]
+    in_memory = [i for i in range(len(saved_flat_groups)) if not swappable_subgroup(zero_optimizer, i)]
     if not in_memory:
         return  # every master came back with the swap files
     # Free the gathered copies of persistent parameters first, so that the gather below reads the new partitions.
@@ -100,7 +103,7 @@ def _restore_in_memory_masters(zero_optimizer: Any, saved_flat_groups: list[torc
                 f"{saved_flat.numel()}; resume with the same model, world size and sub_group_size."
             )
         current.data.copy_(saved_flat.data)
-        zero_optimizer._reassign_or_swap_out_partitioned_parameters(i)
+        refresh_partitioned_parameters(zero_optimizer, i)
     zero_optimizer.checkpoint_event_epilogue()
 
 

@@ -15,6 +15,7 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_trainopt._compat.torch_internals import has_compiled_call
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import HFModelConfig, LitCausalLM, LitGPT
 from lightning_trainopt.models.config import GPTConfig
@@ -103,7 +104,7 @@ def _compile_children(parent: torch.nn.Module) -> None:
                 yield child
 
     for child in units(parent):
-        if any(True for _ in child.parameters()) and getattr(child, "_compiled_call_impl", None) is None:
+        if any(True for _ in child.parameters()) and not has_compiled_call(child):
             child.compile()
 
 

@@ -230,9 +230,7 @@ def _trace(
     """
     import warnings
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from lightning_trainopt._compat.torch_internals import MetaTruthValues
+    from lightning_trainopt._compat.torch_internals import MetaTruthValues, fake_tensor_mode
 
     masks = _hf_masks_as_in_training if hf else contextlib.nullcontext
     errors = []
@@ -241,7 +239,7 @@ def _trace(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with FakeTensorMode(), masks(), truth:
+                with fake_tensor_mode(), masks(), truth:
                     fake = fake_module(module)
                     batch = make_batch(1, 8)
                     return forward_trace(fake, lambda: loss_fn(fake, batch)), make_batch

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import gc
 import json
 import logging
-import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,10 @@ import lightning.pytorch  # noqa: F401
 from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig
 
+from lightning_trainopt._compat.hydra_internals import translate_run_errors
 from lightning_trainopt.config.tree import CONF_DIR
 from lightning_trainopt.exceptions import TrainOptError
+from lightning_trainopt.launch.launcher import detect_launch, die_with_parent, external_launch_argv, mark_launcher
 from lightning_trainopt.launch.multirun import (
     apply_child_command,
     child_errors,
@@ -34,6 +36,7 @@ from lightning_trainopt.launch.multirun import (
     record_child_error,
     restore_env,
     snapshot_env,
+    teardown_distributed,
 )
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "hydra_error_line",
     "keep_earlier_hydra_record",
     "plan_main",
+    "release_before_exit",
     "run_hydra",
     "train_main",
     "user_error",
@@ -189,39 +193,20 @@ def hydra_error_line(err: BaseException) -> str | None:
     return f"{override}: {missing_key_fix(path, getattr(cause, 'parent_node', None), override)}"
 
 
-@contextmanager
-def _hydra_errors_as_one_line() -> Iterator[None]:
-    """Report what :func:`hydra_error_line` translates as one ``error:`` line with exit code 2, not Hydra's report.
+def _one_line_errors(func: Callable[[], Any]) -> Callable[[], Any]:
+    """``func`` reporting what :func:`hydra_error_line` translates as one ``error:`` line with exit code 2."""
 
-    Hydra composes the config, and reports a failure to, through ``hydra._internal.utils.run_and_report``: the only
-    place its composition errors can be caught under ``@hydra.main``. It is private, so it is wrapped here only, and
-    left as it is if a Hydra version lacks it; the original is restored on exit.
-    """
-    import hydra._internal.utils as hydra_utils
+    def translated() -> Any:
+        try:
+            return func()
+        except Exception as err:
+            line = hydra_error_line(err)
+            if line is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            sys.exit(2)
 
-    report = getattr(hydra_utils, "run_and_report", None)
-    if report is None:
-        yield
-        return
-
-    def run_and_report(func: Callable[[], Any]) -> Any:
-        def translated() -> Any:
-            try:
-                return func()
-            except Exception as err:
-                line = hydra_error_line(err)
-                if line is None:
-                    raise
-                print(f"error: {line}", file=sys.stderr)
-                sys.exit(2)
-
-        return report(translated)
-
-    hydra_utils.run_and_report = run_and_report
-    try:
-        yield
-    finally:
-        hydra_utils.run_and_report = report
+    return translated
 
 
 def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
@@ -334,31 +319,35 @@ def run_hydra(task: Callable[[DictConfig], Any], config_name: str) -> None:
     """Run ``task`` under ``@hydra.main`` with this repository's ``conf/`` tree; user errors are reported plainly."""
     apply_child_command()
     sys.argv = keep_earlier_hydra_record(sys.argv)
-    with _hydra_errors_as_one_line():
+    with translate_run_errors(_one_line_errors):
         hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
 
 
 def train_main() -> None:
-    """``trainopt-train`` / ``python train.py``."""
+    """``trainopt-train`` / ``python train.py``, under any launcher (see :mod:`lightning_trainopt.launch.launcher`)."""
+    launch = detect_launch()
+    die_with_parent(launch)
+    mark_launcher()
+    try:
+        sys.argv = external_launch_argv(sys.argv, launch)
+    except TrainOptError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    atexit.register(release_before_exit)
     run_hydra(_train_task, "train")
-    leave_child_rank()
 
 
-def leave_child_rank() -> None:
-    """End a rank Lightning started (``LOCAL_RANK`` > 0) that finished its job, without the interpreter's teardown.
+def release_before_exit() -> None:
+    """Tear the process group down and free the run's objects while the interpreter is still whole (at exit).
 
-    Lightning's launcher on rank 0 kills the whole job, the rank-0 process (a sweep's launcher) included, as soon as
-    a child exits non-zero. A child that finished its training could still die at interpreter exit: a ZeRO-3 job's
-    rank 1 aborted there (SIGABRT, code -6) once in a full test run, after its metrics were written, and took the
-    next job of the sweep and the sweep process down. The child's work is done and its output flushed here, so it
-    leaves with ``os._exit(0)``. A child that failed never gets here: its exception exits non-zero as before.
+    What is left for the interpreter's finalization can abort the process there (SIGABRT), after a job that
+    succeeded: a gloo group still alive holds tensors in its worker threads whose release needs the GIL while it is
+    being torn down (torch PR 179291), and the Trainer, the DeepSpeed engine and their tensors live on in reference
+    cycles until a collection that may only come during finalization. A run that succeeded has torn its group down
+    already (``train()``); one that raised has not. Registered with ``atexit``, so the exit code is kept.
     """
-    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
-        return
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    teardown_distributed()
+    gc.collect()
 
 
 def plan_main() -> None:

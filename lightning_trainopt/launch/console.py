@@ -6,8 +6,9 @@ import logging
 import os
 import warnings
 
-from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
+
+from lightning_trainopt._compat.lightning_internals import TrainDescriptionProgressBar
 
 __all__ = ["StepsProgressBar", "model_line", "quiet_console"]
 
@@ -58,14 +59,14 @@ def model_line(name: str, n_params: int, trainable: int | None = None) -> str:
     return f"model {name}: {n_params:,} parameters ({trainable:,} trainable{frozen}); FLOPs: SpeedMonitor's figures."
 
 
-class StepsProgressBar(RichProgressBar):
+class StepsProgressBar(TrainDescriptionProgressBar):
     """Lightning's rich progress bar, without ``Epoch 0/-2`` on a run that is bounded by ``max_steps``.
 
     A Trainer given ``max_steps`` has ``max_epochs=-1`` (no bound), which the parent prints as ``/{max_epochs - 1}``.
     """
 
     @override
-    def _get_train_description(self, current_epoch: int) -> str:
+    def describe_train_epoch(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
         description = f"Epoch {current_epoch}"
         if max_epochs is not None and max_epochs > 0:

@@ -7,7 +7,7 @@ the single-run command of *its* job in the environment that the children inherit
 their argv with it before Hydra parses anything: one run, in the job's own directory, with the job's overrides.
 
 A job that fails must not take the sweep with it. Lightning watches the children it started from a thread of the
-launching process (``_ChildProcessObserver`` in ``lightning/fabric/strategies/launchers/subprocess_script.py``)
+launching process (``_ChildProcessObserver``, reached through ``_compat.lightning_internals``)
 that SIGKILLs the launching process, here the whole sweep, as soon as a child exits with a non-zero code. So a
 child rank of a sweep job that fails leaves its error in the job directory (:func:`record_child_error`) and exits
 with code 0, and rank 0, once it has failed too, takes the children back from the observer, waits for them and
@@ -20,11 +20,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import torch
 
+from lightning_trainopt._compat.lightning_internals import take_observed_children
 from lightning_trainopt._compat.torch_internals import restore_builtin_linear
 
 __all__ = [
@@ -93,23 +93,6 @@ def child_errors(run_dir: Path) -> dict[str, str]:
     return {p.name.removeprefix("rank").removesuffix(".error"): p.read_text().strip() for p in found}
 
 
-def _take_children() -> list[subprocess.Popen]:
-    """The child processes Lightning's observer threads watch, taken from them so that they end without killing us.
-
-    Each observer re-reads its list every few seconds; an empty list counts as every child having exited with 0.
-    """
-    try:
-        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-    except ImportError:
-        return []
-    procs: list[subprocess.Popen] = []
-    for thread in threading.enumerate():
-        if isinstance(thread, _ChildProcessObserver):
-            procs.extend(getattr(thread, "_child_processes", []))
-            thread._child_processes = []
-    return procs
-
-
 def _reap(procs: list[subprocess.Popen], timeout_s: float) -> None:
     """Wait for ``procs`` to exit; terminate, then kill, those still running after ``timeout_s``."""
     for proc in procs:
@@ -131,10 +114,10 @@ def teardown_distributed() -> None:
     DeepSpeed caches its process groups in module globals; its own ``destroy_process_group`` releases them
     too, otherwise the next DeepSpeed job of a sweep fails with "Group ... is not registered". ZeRO-3 also
     counts modules and parameters in process-wide state, which this process would carry into the next job while the
-    ranks Lightning starts for it count from zero (``parallel.deepspeed.reset_zero3_counters``).
+    ranks Lightning starts for it count from zero (``_compat.deepspeed_internals.reset_zero3_counters``).
     """
     if "deepspeed" in sys.modules:
-        from lightning_trainopt.parallel.deepspeed import reset_zero3_counters
+        from lightning_trainopt._compat.deepspeed_internals import reset_zero3_counters
 
         reset_zero3_counters()
     restore_builtin_linear()
@@ -153,7 +136,7 @@ def end_job(timeout_s: float = 30.0) -> None:
     The process group goes first: a child blocked in a collective then sees its peer leave and fails (and exits,
     see the module docstring); one that does not exit within ``timeout_s`` is terminated.
     """
-    procs = _take_children()
+    procs = take_observed_children()
     teardown_distributed()
     _reap(procs, timeout_s)
 

@@ -33,6 +33,7 @@ from lightning_trainopt.config.run_spec import run_spec
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
+from lightning_trainopt.launch.launcher import check_launch
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.models import LitGPT
@@ -199,6 +200,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     quiet_console(on_cpu=accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
     apply_manifest_vocab(cfg)
     validate_config(cfg)
+    check_launch(cfg.trainer)
     from lightning_trainopt.config.preflight import check_vocab, preflight
 
     for advice in preflight(cfg):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_trainopt._compat.torch_internals import pre_fsdp_class
 from lightning_trainopt.metrics.model_shape import GPTConfig
 
 __all__ = [
@@ -88,9 +89,8 @@ def transformer_flops(cfg: GPTConfig, seq_len: int, batch_size: int = 1) -> Tran
 
 def _unwrapped_class(cls: type[nn.Module]) -> type[nn.Module]:
     """The module class before FSDP2 swapped it for its ``FSDP<Name>`` subclass (which refuses to be copied)."""
-    index = getattr(cls, "_orig_cls_mro_index", None)
-    if isinstance(index, int) and any(c.__name__ == "FSDPModule" for c in cls.__mro__):
-        return cls.__mro__[index]
+    if any(c.__name__ == "FSDPModule" for c in cls.__mro__):
+        return pre_fsdp_class(cls)
     return cls
 
 

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lightning_trainopt._compat.torch_internals import tensor_base
 from lightning_trainopt.metrics.frozen_weights import FrozenWeightIndex
 
 __all__ = [
@@ -60,6 +61,11 @@ __all__ = [
     "measure_saved_tensors",
     "transform_saved_tensors",
 ]
+
+
+def _base_or_self(t: torch.Tensor) -> torch.Tensor:
+    base = tensor_base(t)
+    return t if base is None else base
 
 
 class SavedTensorsTransform(Protocol):
@@ -141,7 +147,7 @@ def is_parameter_tensor(t: torch.Tensor) -> bool:
 def _is_parameter(t: torch.Tensor, param_keys: set[tuple[str, int]]) -> bool:
     if isinstance(t, torch.nn.Parameter):
         return True
-    base = t._base
+    base = tensor_base(t)
     if base is not None and (isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)):
         return True
     if not param_keys:
@@ -157,7 +163,7 @@ def is_weight_copy(t: torch.Tensor) -> bool:
     accumulator. A cast of a frozen parameter has no autograd history and is not recognised here;
     :class:`SavedTensorsCounter` recognises it by value among the frozen ``params`` it is given.
     """
-    base = t._base if t._base is not None else t
+    base = _base_or_self(t)
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
@@ -261,7 +267,7 @@ class SavedTensorsCounter:
 
     def _is_frozen_weight_copy(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (or the tensor it views) is a cast, without autograd history, of a frozen one of ``params``."""
-        base = t._base if t._base is not None else t
+        base = _base_or_self(t)
         if type(base) is not torch.Tensor or base.grad_fn is not None or not base.is_floating_point():
             return False
         if base.layout is not torch.strided or (base.shape, str(base.device)) not in self._frozen.shapes:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import module_trainer
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
 from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
@@ -40,7 +41,7 @@ def _check_plain_logits(hf_config: Any, loss: Any) -> None:
 
 def _zero3_building(module: LitLanguageModel) -> bool:
     """The module is being built inside DeepSpeed ZeRO-3's ``zero.Init`` (its strategy shards parameters at build)."""
-    trainer = module._trainer
+    trainer = module_trainer(module)
     return trainer is not None and bool(getattr(trainer.strategy, "zero_stage_3", False))
 
 

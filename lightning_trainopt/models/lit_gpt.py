@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim.lr_scheduler import LambdaLR
 from typing_extensions import override
 
+from lightning_trainopt._compat.torch_internals import compiled_original
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.gpt import GPT
 from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
@@ -95,7 +96,7 @@ class LitGPT(LitLanguageModel):
         if self.model is None:
             self.configure_model()
         assert self.model is not None
-        return cast(GPT, getattr(self.model, "_orig_mod", self.model))
+        return cast(GPT, compiled_original(self.model))
 
     @override
     def forward(

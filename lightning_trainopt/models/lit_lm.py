@@ -11,6 +11,7 @@ import torch
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import module_trainer
 from lightning_trainopt.models.optimization import OptimizerFactory, configure_optimizers, decay_param_groups
 
 __all__ = ["HeadLoss", "LitLanguageModel"]
@@ -75,7 +76,7 @@ class LitLanguageModel(pl.LightningModule):
         """
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        trainer, half = self._trainer, None
+        trainer, half = module_trainer(self), None
         strategy = trainer.strategy if trainer is not None else None
         if trainer is not None and isinstance(strategy, DeepSpeedStrategy) and not strategy.zero_stage_3:
             precision = str(trainer.precision)

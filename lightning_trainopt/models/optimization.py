@@ -8,6 +8,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_trainopt._compat.lightning_internals import module_trainer
+
 __all__ = ["OptimizerFactory", "configure_optimizers", "decay_param_groups"]
 
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
@@ -40,7 +42,7 @@ def _fused_kwargs(module: pl.LightningModule, factory: OptimizerFactory | None) 
 
     from lightning_trainopt.optim.optimizers import fused_adam_kwargs
 
-    trainer = module._trainer
+    trainer = module_trainer(module)
     if trainer is None:
         return {}
     return fused_adam_kwargs(

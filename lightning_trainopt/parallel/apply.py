@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_trainopt._compat.torch_internals import has_compiled_call
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
@@ -119,7 +120,7 @@ def compile_model(model: nn.Module, **compile_kwargs: Any) -> list[str]:
 
     compiled = []
     for name, child in units(model, ""):
-        if any(True for _ in child.parameters()) and getattr(child, "_compiled_call_impl", None) is None:
+        if any(True for _ in child.parameters()) and not has_compiled_call(child):
             child.compile(**compile_kwargs)
             compiled.append(name)
     return compiled

@@ -10,14 +10,15 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import DeepSpeedStrategyHooks, PathLike
+from lightning_trainopt._compat.transformers_internals import has_per_module_init, init_marks_lifted
 from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.checkpoint.nvme_resume import restore_nvme_optimizer_state
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
@@ -79,25 +80,6 @@ def to_deepspeed_cpu_adam(optimizer: Optimizer) -> Optimizer:
     return cpu_adam
 
 
-def reset_zero3_counters() -> None:
-    """Reset the process-wide counters ZeRO-3 numbers modules and parameters with (deepspeed 0.19).
-
-    ``DeepSpeedZeRoOffload._register_deepspeed_module`` numbers modules (``ds_id``) from a mutable default argument,
-    and ``zero.Init`` numbers parameters and counts persisted ones in class attributes. A Hydra sweep runs its jobs
-    in one rank-0 process but starts fresh processes for the other ranks, so without this the second ZeRO-3 job of a
-    sweep fails in its first step: "Detected a disagreement on list contents between rank0 and rank1 ... rank0: [30]
-    rank1: [0]" (the module order check of ``PartitionedParameterCoordinator.reset_step``).
-    """
-    from deepspeed.runtime.zero import parameter_offload, partition_parameters
-
-    defaults = getattr(parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module, "__defaults__", None)
-    if defaults and isinstance(defaults[0], list) and defaults[0]:
-        defaults[0][0] = 0
-    for name in ("param_id", "num_persisted_parameters", "num_persisted_elements"):
-        if isinstance(getattr(partition_parameters.Init, name, None), int):
-            setattr(partition_parameters.Init, name, 0)
-
-
 #: The attribute by which a module built inside ``zero.Init`` says that its weights are final (loaded, not drawn).
 INITIALIZED_MARK = "_trainopt_initialized"
 
@@ -109,7 +91,7 @@ def _modules_in_init_order(owner: torch.nn.Module) -> list[torch.nn.Module]:
     ``nn.Module.apply``); a module of ours in ``named_modules`` order (``GPT.reset_parameters``). Visiting them in that
     order draws the same random numbers as a build without ZeRO-3 from the same seed.
     """
-    if not callable(getattr(owner, "_initialize_weights", None)):
+    if not has_per_module_init(owner):
         return list(owner.modules())
 
     def post_order(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -143,13 +125,12 @@ def _init_module_by_module(owner: torch.nn.Module, init_weights: Any) -> None:
             continue
         seen.update(id(p) for p in own)
         gathered = own if _is_container(sub) else list(sub.parameters())
-        marks = [(p, p.__dict__.pop("_is_hf_initialized")) for p in gathered if "_is_hf_initialized" in p.__dict__]
-        try:
-            with deepspeed.zero.GatheredParameters(gathered, modifier_rank=0), torch.no_grad():
-                init_weights(sub)
-        finally:
-            for p, mark in marks:
-                p._is_hf_initialized = mark  # type: ignore[attr-defined]
+        with (
+            init_marks_lifted(gathered),
+            deepspeed.zero.GatheredParameters(gathered, modifier_rank=0),
+            torch.no_grad(),
+        ):
+            init_weights(sub)
 
 
 def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
@@ -198,7 +179,7 @@ def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
         visit(child)
 
 
-class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
+class TrainOptDeepSpeedStrategy(DeepSpeedStrategyHooks):
     """Lightning's ``DeepSpeedStrategy`` that also runs on CPU processes (gloo) and keeps our config consistent.
 
     Differences from the parent:
@@ -281,7 +262,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._announce_op_builds()
-        self._init_deepspeed_distributed()
+        self.init_deepspeed_distributed()
 
     def _announce_op_builds(self) -> None:
         line = announce_op_builds(self._on_cpu, self.offload_devices())
@@ -317,20 +298,20 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         return self.spec.offload
 
     @override
-    def _format_config(self) -> None:
+    def format_config(self) -> None:
         assert isinstance(self.config, dict)
         check_json_precision(self.config, self.precision_plugin.precision)
-        super()._format_config()
+        super().format_config()
 
     @override
-    def _format_batch_size_and_grad_accum_config(self) -> None:
+    def format_batch_size_and_grad_accum_config(self) -> None:
         assert isinstance(self.config, dict)
         if self.lightning_module is None:
             return
         trainer = self.lightning_module.trainer
         if "train_batch_size" in self.config:
             self._reconcile_train_batch_size(trainer)
-        super()._format_batch_size_and_grad_accum_config()
+        super().format_batch_size_and_grad_accum_config()
 
     @staticmethod
     def accumulation_for_train_batch_size(total: Any, micro: int, world: int, accumulate: int) -> int:
@@ -372,7 +353,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     def _reconcile_train_batch_size(self, trainer: Any) -> None:
         assert isinstance(self.config, dict)
         total = self.config["train_batch_size"]
-        micro = self.config.get("train_micro_batch_size_per_gpu") or self._auto_select_batch_size()
+        micro = self.config.get("train_micro_batch_size_per_gpu") or self.auto_select_batch_size()
         self.config["train_micro_batch_size_per_gpu"] = micro
         world = self.world_size
         derived = self.accumulation_for_train_batch_size(total, micro, world, trainer.accumulate_grad_batches)
@@ -386,8 +367,8 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ----------------------------------------------------------------- optimizer
     @override
-    def _initialize_deepspeed_train(self, model: torch.nn.Module) -> None:
-        super()._initialize_deepspeed_train(model)
+    def initialize_deepspeed_train(self, model: torch.nn.Module) -> None:
+        super().initialize_deepspeed_train(model)
         # A JSON ``optimizer`` block is built by DeepSpeed itself (DeepSpeedCPUAdam under offload); Lightning runs
         # DeepSpeed at WARN level, so without this line the log would not say which optimizer steps.
         basic = getattr(self.model, "basic_optimizer", None)
@@ -400,8 +381,8 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
             )
 
     @override
-    def _init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
-        optimizer, scheduler_config = super()._init_optimizers()
+    def init_optimizers(self) -> tuple[Optimizer, LRSchedulerConfig | None]:
+        optimizer, scheduler_config = super().init_optimizers()
         if self.offload_devices()["optimizer"] == "none":
             return optimizer, scheduler_config
         replaced = to_deepspeed_cpu_adam(optimizer)
@@ -425,7 +406,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
 
     # ----------------------------------------------------------------- checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict, filepath: PathLike, storage_options: Any | None = None) -> None:
         """Write the (sharded) DeepSpeed checkpoint to a staging directory, then swap it in on rank 0."""
         filepath = self.broadcast(str(filepath))
         staging = self.broadcast(staging_path(filepath))
@@ -442,7 +423,7 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
         self.barrier("trainopt_ds_save_committed")
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.exists(checkpoint_path):
             raise ConfigError("ckpt_path", str(checkpoint_path), "point it at an existing checkpoint directory.")
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)

@@ -8,12 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_trainopt._compat.lightning_internals import PathLike, shard_fully_when_auto
 from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
@@ -102,9 +102,7 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            # Full sharding: every process is a data-parallel rank.
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        shard_fully_when_auto(self)  # full sharding: every process is a data-parallel rank
         super().setup_environment()
 
     def _units(self, model: torch.nn.Module) -> list[str]:
@@ -197,7 +195,9 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         super().model_to_device()
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
+    ) -> None:
         """Write the (sharded) checkpoint to a staging path, then swap it in on rank 0."""
         filepath = self.broadcast(str(filepath))
         staging = self.broadcast(staging_path(filepath))

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_trainopt._compat.torch_internals import own_parameters, tensor_version
 from lightning_trainopt.transforms.blocks import own_class
 
 __all__ = ["has_meta_tensors", "materialize_sharded", "owner_of_init"]
@@ -75,28 +76,28 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def _whole_params(module: nn.Module, device: torch.device | str) -> Iterator[dict[str, nn.Parameter]]:
     """While inside, ``module``'s own parameters are whole plain tensors on ``device`` (uninitialised)."""
-    own = dict(module._parameters)
+    own = dict(own_parameters(module))
     temps = {
         name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         for name, p in own.items()
         if p is not None
     }
-    module._parameters.update(temps)
+    own_parameters(module).update(temps)
     try:
         yield temps
     finally:
-        module._parameters.update(own)
+        own_parameters(module).update(own)
 
 
 def _rewritten_by_owner(owner: nn.Module, order: list[nn.Module]) -> set[int]:
     """``id()`` of the parameters the owner's ``_init_weights`` writes, found by running it on meta stand-ins."""
     written: set[int] = set()
     for module in order:
-        own = {name: p for name, p in module._parameters.items() if p is not None}
+        own = {name: p for name, p in own_parameters(module).items() if p is not None}
         with _whole_params(module, "meta") as temps, torch.no_grad():
-            before = {name: t._version for name, t in temps.items()}
+            before = {name: tensor_version(t) for name, t in temps.items()}
             owner._init_weights(module)  # type: ignore[operator]
-            written.update(id(own[name]) for name, t in temps.items() if t._version != before[name])
+            written.update(id(own[name]) for name, t in temps.items() if tensor_version(t) != before[name])
     return written
 
 
@@ -141,14 +142,14 @@ def materialize_sharded(root: nn.Module, device: torch.device, rng_state: torch.
     # shared (tied) parameters of plain modules: they are tied again as they were.
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in root.modules():
-        for name, p in module._parameters.items():
+        for name, p in own_parameters(module).items():
             if p is not None:
                 slots.setdefault(id(p), []).append((module, name))
     for m in metas:
         m.to_empty(device=device)
     for (first, first_name), *others in (group for group in slots.values() if len(group) > 1):
         for module, name in others:
-            module._parameters[name] = first._parameters[first_name]
+            own_parameters(module)[name] = own_parameters(first)[first_name]
     params = {id(p) for m in metas for p in m.parameters()}
     owner = owner_of_init(root)
     order = _owner_order(owner) if owner is not None else []
@@ -168,7 +169,7 @@ def materialize_sharded(root: nn.Module, device: torch.device, rng_state: torch.
     done: set[int] = set()
 
     def replay(module: nn.Module, init: Callable[[], None], keep: Callable[[nn.Parameter], bool]) -> None:
-        own = {name: p for name, p in module._parameters.items() if p is not None}
+        own = {name: p for name, p in own_parameters(module).items() if p is not None}
         with _whole_params(module, host) as temps, torch.no_grad():
             init()
             for name, temp in temps.items():

@@ -58,12 +58,12 @@ def measure_activation_bytes(
     Returns:
         Activation bytes (parameters and their views excluded, each storage once).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lightning_trainopt._compat.torch_internals import fake_tensor_mode
 
     with warnings.catch_warnings():
         # The counter asks storages for their address; fake storages answer with a deprecation warning.
         warnings.simplefilter("ignore")
-        with FakeTensorMode(), builtin_linear():
+        with fake_tensor_mode(), builtin_linear():
             module = build_module()
             inputs = make_inputs()
             with SavedTensorsCounter(params=module.parameters()) as counter:
@@ -89,13 +89,10 @@ def fake_module(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
             made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
         return made[id(t)]
 
+    from lightning_trainopt._compat.torch_internals import replace_own_tensors
+
     for sub in copy.modules():
-        for key, p in sub._parameters.items():
-            if p is not None:
-                sub._parameters[key] = fake(p)  # type: ignore[assignment]
-        for key, b in sub._buffers.items():
-            if b is not None:
-                sub._buffers[key] = fake(b)
+        replace_own_tensors(sub, fake)
     return copy
 
 
@@ -154,10 +151,9 @@ def measure_saved_storages(
             (``MetaTruthValues``), which fake tensors cannot answer: Hugging Face's mask code asks whether a batch has
             padding or packed sequences, and a batch of whole sequences has neither.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from lightning_trainopt._compat.torch_internals import MetaTruthValues
+    from lightning_trainopt._compat.torch_internals import MetaTruthValues, fake_tensor_mode
 
     last: list[torch.Tensor] = []
 
@@ -169,7 +165,7 @@ def measure_saved_storages(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fake storages answer data_ptr() with a deprecation warning
         truth = MetaTruthValues(fake=True) if truth_values else contextlib.nullcontext()
-        with FakeTensorMode(), truth, builtin_linear():
+        with fake_tensor_mode(), truth, builtin_linear():
             module = build_module()
             batch = make_inputs()
             owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]

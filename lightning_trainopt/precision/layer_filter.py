@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_trainopt._compat.torch_internals import pre_fsdp_class
+
 __all__ = [
     "NOT_FP8_CAUSES",
     "LayerDecision",
@@ -81,9 +83,7 @@ def clean_name(name: str) -> str:
 
 def own_class_name(module: nn.Module) -> str:
     """The module's class name, before FSDP2 swapped its class for ``FSDP<Name>``."""
-    cls = type(module)
-    index = getattr(cls, "_orig_cls_mro_index", None)
-    return (cls.__mro__[index] if isinstance(index, int) else cls).__name__
+    return pre_fsdp_class(type(module)).__name__
 
 
 def matching_pattern(name: str, kind: str, patterns: Iterable[str]) -> str | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_trainopt._compat.torch_internals import pre_fsdp_class
+from lightning_trainopt._compat.transformers_internals import no_split_modules
 from lightning_trainopt.transforms.checkpointing import find_block_list
 
 __all__ = ["block_classes", "own_class"]
@@ -11,9 +13,7 @@ __all__ = ["block_classes", "own_class"]
 
 def own_class(module: torch.nn.Module) -> type:
     """The module's class, before FSDP2 swapped it for ``FSDP<Name>``."""
-    cls = type(module)
-    index = getattr(cls, "_orig_cls_mro_index", None)
-    return cls.__mro__[index] if isinstance(index, int) else cls
+    return pre_fsdp_class(type(module))
 
 
 def block_classes(root: torch.nn.Module) -> list[str]:
@@ -27,7 +27,7 @@ def block_classes(root: torch.nn.Module) -> list[str]:
     present = {own_class(m).__name__ for m in root.modules()}
     named: list[str] = []
     for module in root.modules():
-        for name in sorted(getattr(module, "_no_split_modules", None) or ()):
+        for name in sorted(no_split_modules(module)):
             if isinstance(name, str) and name in present and name not in named:
                 named.append(name)
     if named:

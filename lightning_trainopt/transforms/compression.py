@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lightning_trainopt._compat.torch_internals import tensor_version
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import is_parameter_tensor
 
@@ -144,7 +145,7 @@ class Int8Compressor:
         if flat is None:
             self.n_passed += 1
             return t
-        key = (t.device, flat.data_ptr(), t.dtype, t._version)
+        key = (t.device, flat.data_ptr(), t.dtype, tensor_version(t))
         entry = self._cache.get(key)
         quantized = entry[0]() if entry is not None and entry[1]() is not None else None
         if quantized is None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lightning_trainopt._compat.torch_internals import tensor_version
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import is_parameter_tensor
 
@@ -64,7 +65,7 @@ class CpuOffloader:
         if n < self.min_numel:
             self.n_passed += 1
             return t
-        key = (t.device, storage.data_ptr(), t.dtype, t._version)
+        key = (t.device, storage.data_ptr(), t.dtype, tensor_version(t))
         entry = self._cache.get(key)
         found = entry[0]() if entry is not None and entry[1]() is not None else None
         if found is not None:

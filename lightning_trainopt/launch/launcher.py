@@ -1,0 +1,196 @@
+"""Who started this process, and what that means for a run: the one place that tells launch modes apart.
+
+Three launch modes, told apart by the environment alone (:func:`detect_launch`):
+
+* ``single``: ``python train.py ...`` started this process, the job's rank 0. For ``trainer.devices > 1``
+  Lightning's subprocess launcher starts the other ranks by re-running the command line.
+* ``lightning_child``: a rank that Lightning's launcher started (``LOCAL_RANK`` > 0, without the variables
+  torchelastic sets).
+* ``torchrun``: ``torchrun`` (torchelastic) started every rank: ``TORCHELASTIC_RUN_ID`` is set, the test of
+  Lightning's ``TorchElasticEnvironment.detect``, beside ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+  ``WORLD_SIZE``. Each rank runs ``python train.py ...`` itself and Lightning starts no process.
+
+A process that some launcher started ends with its parent (:func:`die_with_parent`). The module imports nothing
+heavy: ``train.py`` calls that first thing, before the seconds its other imports take.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_trainopt.exceptions import ConfigError
+
+__all__ = [
+    "LAUNCHER_PID_ENV",
+    "Launch",
+    "check_launch",
+    "detect_launch",
+    "die_with_parent",
+    "external_launch_argv",
+    "mark_launcher",
+]
+
+#: The pid of the process that starts a job's other ranks, published for them by :func:`mark_launcher`.
+LAUNCHER_PID_ENV = "TRAINOPT_LAUNCHER_PID"
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+LaunchKind = Literal["single", "lightning_child", "torchrun"]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started.
+
+    Attributes:
+        kind: ``single``, ``lightning_child`` or ``torchrun`` (see the module docstring).
+        rank: the global rank this process will have (``0`` for ``single``).
+        local_rank: the rank on this node.
+        world_size: every process of the job; ``None`` where Lightning has not decided it yet (``single``).
+        local_world_size: the processes per node an external launcher started (torchrun's ``--nproc_per_node``).
+        run_id: an id every rank of the job shares (torchrun's rendezvous id), ``None`` when there is none.
+    """
+
+    kind: LaunchKind
+    rank: int
+    local_rank: int
+    world_size: int | None
+    local_world_size: int | None
+    run_id: str | None
+
+    @property
+    def external(self) -> bool:
+        """A launcher outside Lightning started every rank; Lightning must start none."""
+        return self.kind == "torchrun"
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
+    """The launch mode of this process, from its environment (``os.environ`` by default)."""
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_RUN_ID") is not None:
+        return Launch(
+            kind="torchrun",
+            rank=int(env.get("RANK") or 0),
+            local_rank=int(env.get("LOCAL_RANK") or 0),
+            world_size=int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE") else None,
+            local_world_size=int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE") else None,
+            run_id=env["TORCHELASTIC_RUN_ID"],
+        )
+    local_rank = int(env.get("LOCAL_RANK") or 0)
+    if local_rank > 0:
+        world = env.get("WORLD_SIZE")
+        return Launch("lightning_child", -1, local_rank, int(world) if world else None, None, None)
+    return Launch("single", 0, 0, None, None, None)
+
+
+def mark_launcher() -> None:
+    """In a ``single`` process, publish its pid for the ranks Lightning will start (:func:`die_with_parent`)."""
+    if detect_launch().kind == "single":
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
+def die_with_parent(launch: Launch) -> None:
+    """In a rank some launcher started: be killed (SIGKILL) when the parent dies, and leave now if it already has.
+
+    Without this, a rank whose launcher was SIGKILLed (Lightning's rank 0 during DeepSpeed start-up, a torchrun
+    agent) lived on as an orphan, with parent pid 1, waiting in a rendezvous that would never complete. Linux's
+    parent-death signal (``prctl(PR_SET_PDEATHSIG)``) covers a parent that dies from now on; a parent that died
+    before the call is seen by comparing the parent pid with the launcher's (``TRAINOPT_LAUNCHER_PID``, set by
+    Lightning's rank 0 through :func:`mark_launcher`) or, under torchrun, with 1. SIGKILL, not SIGTERM: an orphaned
+    rank can be blocked in a collective that no signal handler returns from. Nothing is done for ``single``, and on
+    systems other than Linux.
+    """
+    if launch.kind == "single" or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    expected = os.environ.get(LAUNCHER_PID_ENV) if launch.kind == "lightning_child" else None
+    parent = os.getppid()
+    if parent == 1 or (expected is not None and parent != int(expected)):
+        print(f"error: the launcher of this rank (pid {expected or '?'}) has exited; not starting.", file=sys.stderr)
+        sys.exit(1)
+
+
+def external_launch_argv(argv: list[str], launch: Launch) -> list[str]:
+    """``argv`` for a rank an external launcher started: one run directory for all ranks, one ``.hydra`` record.
+
+    Every rank runs the whole command, so each would pick its own ``outputs/.../<time>`` run directory. Without a
+    ``hydra.run.dir`` on the command line the ranks share ``outputs/${task_name}/runs/torchrun_<rendezvous id>``;
+    ranks other than 0 write no ``.hydra/`` record (rank 0 does).
+
+    Raises:
+        ConfigError: a sweep (``-m``) under torchrun.
+    """
+    if not launch.external:
+        return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        raise ConfigError(
+            "--multirun",
+            True,
+            "a sweep under torchrun would run every job on every rank with its own sweep directory; start one "
+            "torchrun per job, or sweep with python train.py -m (Lightning then starts each job's ranks).",
+        )
+    args = list(argv)
+    if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in args):
+        args.append(f"hydra.run.dir=outputs/${{task_name}}/runs/torchrun_{launch.run_id}")
+    if launch.rank != 0 and not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args):
+        args.append("hydra.output_subdir=null")
+    return args
+
+
+def _devices_per_node(devices: Any, accelerator: str) -> int | None:
+    """What ``trainer.devices`` asks for on one node, as Lightning resolves it; ``None`` if it cannot be told."""
+    import torch  # here, not at the top: train.py imports this module first thing, before anything heavy
+
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if devices == "auto":
+        return torch.cuda.device_count() if on_gpu else 1
+    if devices == -1:
+        return torch.cuda.device_count() if on_gpu else os.cpu_count()
+    return devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+
+
+def check_launch(trainer_cfg: Mapping[str, Any], launch: Launch | None = None) -> None:
+    """Pre-flight: under an external launcher, ``trainer.devices`` and ``trainer.num_nodes`` match what it started.
+
+    Args:
+        trainer_cfg: the ``trainer`` node of the config.
+        launch: the launch mode (default: :func:`detect_launch`).
+
+    Raises:
+        ConfigError: ``trainer.devices`` differs from torchrun's ``--nproc_per_node``, or ``trainer.num_nodes``
+            from its number of nodes.
+    """
+    launch = detect_launch() if launch is None else launch
+    if not launch.external or launch.local_world_size is None:
+        return
+    per_node = launch.local_world_size
+    devices = trainer_cfg.get("devices", "auto")
+    if _devices_per_node(devices, str(trainer_cfg.get("accelerator", "auto"))) != per_node:
+        raise ConfigError(
+            "trainer.devices",
+            devices,
+            f"torchrun started {per_node} processes on this node (--nproc_per_node {per_node}); each is one device, "
+            f"so set trainer.devices={per_node} (or start torchrun with --nproc_per_node matching trainer.devices).",
+        )
+    if launch.world_size is not None:
+        nodes = launch.world_size // per_node
+        num_nodes = trainer_cfg.get("num_nodes", 1)
+        if num_nodes != nodes:
+            raise ConfigError(
+                "trainer.num_nodes",
+                num_nodes,
+                f"torchrun started {launch.world_size} processes, {per_node} per node: {nodes} node(s); set "
+                f"trainer.num_nodes={nodes} (or match torchrun's --nnodes).",
+            )
