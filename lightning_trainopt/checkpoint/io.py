@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.checkpoint.files import write_file_atomic
 
-__all__ = ["AtomicCheckpointIO"]
+__all__ = ["AtomicCheckpointIO", "use_atomic_checkpoint_io"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes to a staging file next to the target, then ``os.replace``-s it in (used by the ``ddp`` preset).
+    """Writes into a staging file in the target's directory, fsyncs it, then ``os.replace``-s it in.
+
+    Lightning's own ``TorchCheckpointIO`` writes through an fsspec transaction whose temporary file lies in ``/tmp``;
+    when the checkpoint folder is on another filesystem, the final move copies straight into the final name, so a
+    full disk left a truncated ``last.ckpt``. Here a failed write leaves nothing but the previous checkpoint, and
+    raises :class:`~lightning_trainopt.exceptions.CheckpointWriteError` naming the file and the reason (ENOSPC).
+    Remote paths (``s3://``, ...) keep Lightning's behaviour.
 
     Example::
 
@@ -23,10 +31,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        staging = staging_path(path)
-        try:
-            super().save_checkpoint(checkpoint, staging, storage_options)
-        except BaseException:
-            discard_staged(staging)
-            raise
-        commit_staged(staging, path)
+        if storage_options is not None or type(get_filesystem(path)).__name__ != "LocalFileSystem":
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        write_file_atomic(path, lambda f: torch.save(checkpoint, f))
+
+
+def use_atomic_checkpoint_io(strategy: Any) -> None:
+    """Give ``strategy`` an :class:`AtomicCheckpointIO` where it would use Lightning's plain ``TorchCheckpointIO``.
+
+    A strategy with a checkpoint IO of its own kind (async, remote, a user's) keeps it; so do the DeepSpeed and
+    FSDP2 strategies, whose directory checkpoints are staged by
+    :func:`~lightning_trainopt.checkpoint.files.save_directory_checkpoint`.
+    """
+    current: CheckpointIO | None = getattr(strategy, "_checkpoint_io", None)
+    if current is None or type(current) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.checkpoint.nvme_resume import restore_nvme_optimizer_state
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.optim.schedules import peak_lr
@@ -426,20 +426,9 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategy):
     # ----------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write the (sharded) DeepSpeed checkpoint to a staging directory, then swap it in on rank 0."""
-        filepath = self.broadcast(str(filepath))
-        staging = self.broadcast(staging_path(filepath))
-        try:
-            super().save_checkpoint(checkpoint, staging, storage_options)
-        except BaseException:
-            self.barrier("trainopt_ds_save_failed")
-            if self.is_global_zero:
-                discard_staged(staging)
-            raise
-        self.barrier("trainopt_ds_save_done")
-        if self.is_global_zero:
-            commit_staged(staging, filepath)
-        self.barrier("trainopt_ds_save_committed")
+        """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part."""
+        parent_save = super().save_checkpoint
+        save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

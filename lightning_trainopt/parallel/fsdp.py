@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
@@ -200,17 +200,6 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write the (sharded) checkpoint to a staging path, then swap it in on rank 0."""
-        filepath = self.broadcast(str(filepath))
-        staging = self.broadcast(staging_path(filepath))
-        try:
-            super().save_checkpoint(checkpoint, staging, storage_options)
-        except BaseException:
-            self.barrier("trainopt_fsdp_save_failed")
-            if self.is_global_zero:
-                discard_staged(staging)
-            raise
-        self.barrier("trainopt_fsdp_save_done")
-        if self.is_global_zero:
-            commit_staged(staging, filepath)
-        self.barrier("trainopt_fsdp_save_committed")
+        """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part."""
+        parent_save = super().save_checkpoint
+        save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))

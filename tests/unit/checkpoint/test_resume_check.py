@@ -78,3 +78,37 @@ def test_data_parallel_ranks_from_the_trainer_node():
     assert data_parallel_ranks({"devices": "auto", "accelerator": "cpu"}) == 1
     assert data_parallel_ranks({"devices": "3"}) == 3
     assert data_parallel_ranks({"devices": 0}) is None
+
+
+def _epochs(processed, completed):
+    return {
+        "global_step": 9,
+        "loops": {"fit_loop": {"epoch_progress": {"current": {"processed": processed, "completed": completed}}}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("state", "trainer", "done"),
+    [
+        ({"global_step": 60}, {"max_steps": 60}, "step 60 of max_steps=60"),
+        ({"global_step": 30}, {"max_steps": 60}, None),
+        ({"global_step": 60}, {"max_steps": 100}, None),  # the same run extended: it continues
+        ({"global_step": 60}, {"max_steps": -1}, None),
+        (
+            _epochs(3, 2),  # saved in on_train_epoch_end of the last epoch
+            {"max_steps": -1, "max_epochs": 3},
+            "3 epochs of max_epochs=3",
+        ),
+        (
+            _epochs(2, 2),
+            {"max_steps": -1, "max_epochs": 3},
+            None,
+        ),
+    ],
+)
+def test_finished_training(state, trainer, done):
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.checkpoint.resume_check import finished_training
+
+    assert finished_training(state, OmegaConf.create(trainer)) == done
