@@ -82,7 +82,7 @@ class RunDirLock:
     _held: dict[str, RunDirLock] = {}  # by path: a process re-entering its own folder (a sweep job) does not refuse
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.run_dir = Path(run_dir).absolute()
+        self.run_dir = Path(run_dir).resolve()
         self.path = self.run_dir / LOCK_FILE
         self._fd: int | None = None
         self._depth = 0
@@ -90,7 +90,7 @@ class RunDirLock:
     @classmethod
     def for_dir(cls, run_dir: str | os.PathLike[str]) -> RunDirLock:
         """The lock object of ``run_dir`` in this process (the same one while it is held)."""
-        key = str(Path(run_dir).absolute())
+        key = str(Path(run_dir).resolve())
         return cls._held.get(key) or cls(run_dir)
 
     @property
