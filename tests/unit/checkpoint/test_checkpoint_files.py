@@ -144,3 +144,41 @@ def test_full_disk_keeps_the_previous_directory(tiny_disk):
         save_directory_checkpoint(_OneProcess(), final, _write_dir(400_000))
     assert os.listdir(tiny_disk) == ["last.ckpt"]
     assert checkpoint_problem(final) is None
+
+
+def test_a_rank_whose_disk_fills_stops_every_rank_from_committing(tiny_disk):
+    # Before: each rank only waited at a barrier, so rank 0 committed a checkpoint without rank 1's shard.
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_trainopt.checkpoint.files import save_directory_checkpoint
+    from lightning_trainopt.checkpoint.verify import checkpoint_problem
+    from tests.helpers.compose import REPO_ROOT
+
+    final = tiny_disk / "last.ckpt"
+    save_directory_checkpoint(_OneProcess(), final, _write_dir(1000))  # the previous good checkpoint
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = "tests/unit/checkpoint/_two_rank_save.py"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), str(final), port],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert "rank 0: could not write checkpoint" in outs[0]
+    assert "another rank failed to write its part" in outs[0]
+    assert "rank 1: could not write checkpoint" in outs[1]
+    assert "ENOSPC" in outs[1]
+    assert os.listdir(tiny_disk) == ["last.ckpt"]  # no staging directory left
+    assert checkpoint_problem(final) is None
+    assert sorted(os.listdir(final / "checkpoint")) == ["mp_rank_00_model_states.pt"]  # the previous one
