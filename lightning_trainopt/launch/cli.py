@@ -236,7 +236,7 @@ def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
     def run(cfg: DictConfig) -> None:
         in_sweep = _in_multirun()
         env = snapshot_env()
-        lock = RunDirLock.for_dir(_run_dir()) if is_launching_rank() else None
+        lock = _job_lock()
         try:
             if lock is not None:
                 lock.acquire()  # held already when run_hydra locked hydra.run.dir; a sweep job's own folder else
@@ -263,6 +263,15 @@ def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
                 lock.release()
 
     return run
+
+
+def _job_lock() -> RunDirLock | None:
+    """The lock of this job's run folder for the launching rank (none outside Hydra, e.g. a test calling the task)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not is_launching_rank() or not HydraConfig.initialized():
+        return None
+    return RunDirLock.for_dir(_run_dir())
 
 
 def _train_task(cfg: DictConfig) -> None:
