@@ -94,6 +94,8 @@ def _refuse(err: TrainOptError) -> None:
         _leave_sweep_job(str(err))
     if not _in_multirun() or isinstance(err, RunDirLockedError):
         sys.exit(2)  # (a locked folder: the other run's record there must not be overwritten)
+    if getattr(err, "status", None) == "failed" and (_run_dir() / "metrics.json").is_file():
+        return  # train() recorded the failed run with its figures (a checkpoint write that failed)
     _record(getattr(err, "status", "refused"), str(err))
 
 
