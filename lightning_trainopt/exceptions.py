@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CheckpointWriteError",
     "ConfigError",
     "ConfigKeysError",
     "IncompatibleConfigError",
     "MissingDependencyError",
+    "RunDirLockedError",
     "TrainOptError",
     "UnsupportedHardwareError",
     "install_command",
@@ -116,3 +118,41 @@ def install_command(extra: str) -> str:
 
 class UnsupportedHardwareError(TrainOptError, RuntimeError):
     """The requested feature cannot run on this machine's hardware."""
+
+
+class CheckpointWriteError(TrainOptError, RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, an I/O error); the run stops with ``status: failed``.
+
+    The partial write has been removed and the checkpoints written before are kept, so the run can be resumed.
+
+    Args:
+        path: the checkpoint that was being written.
+        reason: what went wrong, one line (e.g. ``No space left on device (ENOSPC)``).
+    """
+
+    # metrics.json's status of a sweep job that stopped on this error (the CLI records ``refused`` for user errors).
+    status = "failed"
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"could not write checkpoint {path}: {reason}. The partial write was removed and the earlier checkpoints "
+            "are kept. Free space there (or set callbacks.model_checkpoint.dirpath to another disk), then resume "
+            "with ckpt_path=last."
+        )
+
+
+class RunDirLockedError(TrainOptError, RuntimeError):
+    """Another live run holds the run folder (two commands with the same ``hydra.run.dir`` at once).
+
+    Args:
+        run_dir: the run folder.
+        holder: who holds it, e.g. ``pid 4242 on host node1 since 2026-12-05T03:00:00Z``.
+        fix: what to do, one sentence.
+    """
+
+    def __init__(self, run_dir: str, holder: str, fix: str) -> None:
+        self.run_dir = run_dir
+        self.holder = holder
+        super().__init__(f"hydra.run.dir={run_dir!r} is in use by another run ({holder}): {fix}")

@@ -19,8 +19,11 @@ from lightning_trainopt._compat.lightning_internals import (
     save_last_checkpoint,
     set_received_sigterm,
 )
+from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["ResumableCheckpoint"]
+
+_KEY = "callbacks.model_checkpoint"
 
 
 class ResumableCheckpoint(ModelCheckpoint):
@@ -44,12 +47,18 @@ class ResumableCheckpoint(ModelCheckpoint):
         *args: :class:`ModelCheckpoint` arguments.
         **kwargs: :class:`ModelCheckpoint` keyword arguments.
 
+    Raises:
+        ConfigError: an argument Lightning would refuse with its own exception (``every_n_train_steps=-1``,
+            ``save_top_k=-2``, ``mode="low"``, two save triggers at once) or ``save_on_interrupt`` not a bool;
+            named as ``callbacks.model_checkpoint.<argument>``.
+
     Example::
 
         ResumableCheckpoint(dirpath="ckpt", monitor="val_loss", save_last=True, every_n_train_steps=500)
     """
 
     def __init__(self, *args: Any, save_on_interrupt: bool = True, **kwargs: Any) -> None:
+        _check_arguments(save_on_interrupt, kwargs)
         super().__init__(*args, **kwargs)
         self.save_on_interrupt = save_on_interrupt
         self.interrupt_path: str | None = None
@@ -149,11 +158,46 @@ class ResumableCheckpoint(ModelCheckpoint):
         rank_zero_info(f"Interrupted at step {trainer.global_step}: saved {path} (resume with ckpt_path=<it>).")
 
     def summary(self) -> dict[str, Any]:
-        """``{"checkpoint": {"last", "best", "interrupted"}}``: the paths to resume or evaluate from (or ``None``)."""
-        return {
-            "checkpoint": {
-                "last": self.last_model_path or None,
-                "best": self.best_model_path or None,
-                "interrupted": self.interrupt_path,
-            }
-        }
+        """``{"checkpoint": {"last", "best", "interrupted"}}``: the paths to resume or evaluate from (or ``None``).
+
+        A path whose write failed (Lightning records it before writing) is ``None``: there is nothing there.
+        """
+        paths = {"last": self.last_model_path, "best": self.best_model_path, "interrupted": self.interrupt_path}
+        return {"checkpoint": {k: p if p and os.path.exists(p) else None for k, p in paths.items()}}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(save_on_interrupt: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse the keyword arguments ModelCheckpoint would reject (or misread), naming the config key and the fix."""
+    if not isinstance(save_on_interrupt, bool):
+        raise ConfigError(f"{_KEY}.save_on_interrupt", save_on_interrupt, "use true or false.")
+    for key in ("every_n_train_steps", "every_n_epochs"):
+        value = kwargs.get(key)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise ConfigError(f"{_KEY}.{key}", value, "use a whole number >= 1 (0 or null: off).")
+    top_k = kwargs.get("save_top_k", 1)
+    if not _is_int(top_k) or top_k < -1:
+        raise ConfigError(f"{_KEY}.save_top_k", top_k, "use -1 (keep all), 0 (none) or a positive number to keep.")
+    mode = kwargs.get("mode", "min")
+    if mode not in ("min", "max"):
+        raise ConfigError(f"{_KEY}.mode", mode, "use min or max.")
+    save_last = kwargs.get("save_last")
+    if save_last not in (None, True, False, "link"):
+        raise ConfigError(f"{_KEY}.save_last", save_last, "use true, false, null or link.")
+    triggers = [key for key in ("every_n_train_steps", "every_n_epochs") if kwargs.get(key) not in (None, 0)]
+    if kwargs.get("train_time_interval") is not None:
+        triggers.append("train_time_interval")
+    if len(triggers) > 1:
+        raise ConfigError(
+            f"{_KEY}.{triggers[1]}",
+            kwargs.get(triggers[1]),
+            f"it cannot be combined with {_KEY}.{triggers[0]}; set only one of every_n_train_steps, every_n_epochs "
+            "and train_time_interval.",
+        )
+    if kwargs.get("monitor") is None and top_k not in (-1, 0, 1):
+        raise ConfigError(
+            f"{_KEY}.save_top_k", top_k, f"keeping the best {top_k} needs a metric: set {_KEY}.monitor, or use 1."
+        )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from lightning_trainopt.checkpoint.state import saved_loader_states
 from lightning_trainopt.data.resumable_loader import STATE_VERSION, check_global_batch
 
-__all__ = ["check_resume"]
+__all__ = ["check_resume", "finished_training"]
 
 
 def check_resume(ckpt_path: str, batch_size: int | None, ranks: int | None) -> None:
@@ -37,3 +40,29 @@ def check_resume(ckpt_path: str, batch_size: int | None, ranks: int | None) -> N
     for state in saved_loader_states(ckpt_path):
         if state.get("version") == STATE_VERSION:
             check_global_batch(state, batch_size, ranks, "data")
+
+
+def finished_training(state: Mapping[str, Any], trainer: Any) -> str | None:
+    """Why a checkpoint has nothing left to train under the ``trainer`` node, e.g. ``step 60 of max_steps=60``.
+
+    ``None`` when the fit would continue: ``max_steps`` (if set) is not reached and ``max_epochs`` (if set) not
+    completed. Resuming a finished run (a retry after pre-emption, the same command again) would train no step and
+    overwrite its results; the caller keeps them instead.
+
+    Args:
+        state: Lightning's state in the checkpoint (:func:`~lightning_trainopt.checkpoint.state.lightning_state`).
+        trainer: the config's ``trainer`` node.
+    """
+    step = state.get("global_step")
+    max_steps = trainer.get("max_steps", -1)
+    if isinstance(step, int) and isinstance(max_steps, int) and 0 <= max_steps <= step:
+        return f"step {step} of max_steps={max_steps}"
+    max_epochs = trainer.get("max_epochs")
+    loops = state.get("loops") or {}
+    progress = ((loops.get("fit_loop") or {}).get("epoch_progress") or {}).get("current") or {}
+    # Lightning's own test (FitLoop.done): `processed` is counted before on_train_epoch_end, where checkpoints are
+    # saved, `completed` only after it.
+    epochs = progress.get("processed")
+    if isinstance(max_epochs, int) and isinstance(epochs, int) and 0 <= max_epochs <= epochs:
+        return f"{epochs} epochs of max_epochs={max_epochs}"
+    return None

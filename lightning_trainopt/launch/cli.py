@@ -25,8 +25,9 @@ from hydra.errors import ConfigCompositionException, InstantiationException, Mis
 from omegaconf import DictConfig
 
 from lightning_trainopt._compat.hydra_internals import translate_run_errors
+from lightning_trainopt.checkpoint.run_lock import RunDirLock, is_launching_rank
 from lightning_trainopt.config.tree import CONF_DIR
-from lightning_trainopt.exceptions import TrainOptError
+from lightning_trainopt.exceptions import RunDirLockedError, TrainOptError
 from lightning_trainopt.launch.launcher import detect_launch, die_with_parent, external_launch_argv, mark_launcher
 from lightning_trainopt.launch.multirun import (
     apply_child_command,
@@ -95,9 +96,11 @@ def _refuse(err: TrainOptError) -> None:
     _log_to_files(line)
     if is_sweep_child():
         _leave_sweep_job(str(err))
-    if not _in_multirun():
-        sys.exit(2)
-    _record("refused", str(err))
+    if not _in_multirun() or isinstance(err, RunDirLockedError):
+        sys.exit(2)  # (a locked folder: the other run's record there must not be overwritten)
+    if getattr(err, "status", None) == "failed" and (_run_dir() / "metrics.json").is_file():
+        return  # train() recorded the failed run with its figures (a checkpoint write that failed)
+    _record(getattr(err, "status", "refused"), str(err))
 
 
 def _fail(err: Exception) -> None:
@@ -220,7 +223,10 @@ def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
     def run(cfg: DictConfig) -> None:
         in_sweep = _in_multirun()
         env = snapshot_env()
+        lock = _job_lock()
         try:
+            if lock is not None:
+                lock.acquire()  # held already when run_hydra locked hydra.run.dir; a sweep job's own folder else
             task(cfg)
         except Exception as err:
             # A bad argument refused in a callback's or data module's __init__ reaches us wrapped by Hydra's
@@ -239,8 +245,20 @@ def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
                 _fail(err)
             if in_sweep:
                 restore_env(env)
+        finally:
+            if lock is not None:
+                lock.release()
 
     return run
+
+
+def _job_lock() -> RunDirLock | None:
+    """The lock of this job's run folder for the launching rank (none outside Hydra, e.g. a test calling the task)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not is_launching_rank() or not HydraConfig.initialized():
+        return None
+    return RunDirLock.for_dir(_run_dir())
 
 
 def _train_task(cfg: DictConfig) -> None:
@@ -318,9 +336,34 @@ def keep_earlier_hydra_record(argv: list[str], now: datetime | None = None) -> l
 def run_hydra(task: Callable[[DictConfig], Any], config_name: str) -> None:
     """Run ``task`` under ``@hydra.main`` with this repository's ``conf/`` tree; user errors are reported plainly."""
     apply_child_command()
-    sys.argv = keep_earlier_hydra_record(sys.argv)
-    with translate_run_errors(_one_line_errors):
-        hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
+    lock = _lock_run_dir(sys.argv)
+    try:
+        sys.argv = keep_earlier_hydra_record(sys.argv)
+        with translate_run_errors(_one_line_errors):
+            hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(_guarded(task))()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_dir(argv: list[str]) -> RunDirLock | None:
+    """Lock the ``hydra.run.dir`` a single run names, before Hydra writes anything there (exit 2 if it is in use).
+
+    Only the launching rank locks (:func:`~lightning_trainopt.checkpoint.run_lock.is_launching_rank`); a sweep's
+    jobs are locked one by one in their own folders by :func:`_guarded`.
+    """
+    if not is_launching_rank() or any(a in ("-m", "--multirun") for a in argv):
+        return None
+    run_dirs = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("hydra.run.dir=")]
+    if not run_dirs:
+        return None
+    lock = RunDirLock.for_dir(run_dirs[-1])
+    try:
+        lock.acquire()
+    except RunDirLockedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return lock
 
 
 def train_main() -> None:

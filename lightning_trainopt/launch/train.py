@@ -20,6 +20,8 @@ from omegaconf import DictConfig
 
 from lightning_trainopt.callbacks import NonFiniteGuard, PrecisionReport, ResumableCheckpoint
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
+from lightning_trainopt.checkpoint.files import write_text_atomic
+from lightning_trainopt.checkpoint.io import use_atomic_checkpoint_io
 from lightning_trainopt.config.data_vocab import apply_manifest_vocab
 from lightning_trainopt.config.model_factory import (
     build_lightning_module,
@@ -31,7 +33,7 @@ from lightning_trainopt.config.model_factory import (
 )
 from lightning_trainopt.config.run_spec import run_spec
 from lightning_trainopt.config.validate import validate_config
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import CheckpointWriteError, ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
 from lightning_trainopt.launch.launcher import check_launch
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
@@ -41,7 +43,15 @@ from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
 from lightning_trainopt.precision import trainer_precision_kwargs
 
-__all__ = ["early_stop", "output_dir", "run_status", "train", "validation_skip_reason"]
+__all__ = [
+    "early_stop",
+    "finished_run",
+    "output_dir",
+    "resolve_ckpt_path",
+    "run_status",
+    "train",
+    "validation_skip_reason",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,22 +82,52 @@ def _instantiate_named(group: DictConfig | None) -> list[Any]:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """A checkpoint path as given, or ``last``: the newest checkpoint under ``<run_dir>/checkpoints``."""
+    """A checkpoint path as given, or ``last``: the newest complete checkpoint under ``<run_dir>/checkpoints``.
+
+    Either way the checkpoint is checked to be complete (its zip directory, or a directory checkpoint's manifest);
+    ``last`` skips newer incomplete ones with a warning naming them.
+
+    Raises:
+        ConfigError: the path does not exist or is not a complete checkpoint; ``last`` finds no complete one.
+    """
+    from lightning_trainopt.checkpoint.verify import newest_complete_checkpoint, verify_checkpoint
+
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
-        ckpt_dir = run_dir / "checkpoints"
-        found = sorted(ckpt_dir.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if ckpt_dir.is_dir() else []
-        if not found:
-            raise ConfigError(
-                "ckpt_path",
-                "last",
-                f"no checkpoint in {ckpt_dir}; point hydra.run.dir at the run to resume, or give a checkpoint path.",
-            )
-        return str(found[-1])
+        return newest_complete_checkpoint(run_dir / "checkpoints")
     if not Path(ckpt_path).exists():
         raise ConfigError("ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path or 'last'.")
+    verify_checkpoint(ckpt_path)
     return ckpt_path
+
+
+def finished_run(cfg: DictConfig, ckpt_path: str, run_dir: Path) -> dict[str, Any] | None:
+    """The kept ``metrics.json`` of a run that ``ckpt_path`` shows has already trained to its end; else ``None``.
+
+    Resuming it would train no step and overwrite its results with empty ones (what an automatic retry after
+    pre-emption does). Reading the checkpoint's state also refuses a corrupt one before anything starts.
+
+    Raises:
+        ConfigError: the checkpoint's saved state cannot be read.
+    """
+    from lightning_trainopt.checkpoint.resume_check import finished_training
+    from lightning_trainopt.checkpoint.verify import read_checkpoint_state
+
+    done = finished_training(read_checkpoint_state(ckpt_path), cfg.trainer)
+    if done is None:
+        return None
+    metrics_file = run_dir / METRICS_FILE
+    try:
+        kept: dict[str, Any] = json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
+    except ValueError:
+        kept = {}
+    results = f"its {metrics_file} is kept" if kept else f"{metrics_file} is absent or unreadable: nothing to show"
+    rank_zero_info(
+        f"ckpt_path={ckpt_path} has finished training ({done}); nothing to resume, {results}. "
+        "Raise trainer.max_steps to train further."
+    )
+    return kept
 
 
 def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int | None, n_params: int) -> Any:
@@ -215,6 +255,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if ckpt_path is not None:
         from lightning_trainopt.config.resume import check_resume_from_cfg
 
+        kept = finished_run(cfg, ckpt_path, run_dir)
+        if kept is not None:
+            return kept
         check_resume_from_cfg(cfg, ckpt_path, dims.dp if dims is not None else None)
     pl.seed_everything(run.launch.seed, workers=True, verbose=False)
 
@@ -261,8 +304,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         default_root_dir=str(run_dir),
         **trainer_precision_kwargs(precision, strategy, accelerator),
     )
+    use_atomic_checkpoint_io(trainer.strategy)
     oom = False
     interrupted: SystemExit | None = None
+    write_failed: CheckpointWriteError | None = None
     train_loss = None
     stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
     final_validation = "not reached"
@@ -276,6 +321,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         stopped = early_stop(trainer)
         info = _strategy_info(trainer, cfg)
         final_validation = _final_validation(trainer, module, datamodule, clock)
+    except CheckpointWriteError as err:
+        # A full disk: the partial file is gone and the earlier checkpoints kept; record the run as failed, then
+        # let the CLI report the one-line reason.
+        write_failed = err
+        train_loss = trainer.callback_metrics.get("train_loss")
     except torch.OutOfMemoryError:
         if not run.launch.continue_on_oom:
             raise
@@ -294,7 +344,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     loss = float(train_loss) if train_loss is not None else None
     status = "interrupted" if interrupted is not None else run_status(oom, stopped["stopped_at_step"] is not None, loss)
+    if write_failed is not None:
+        status = "failed"
     outcome: dict[str, Any] = {"status": status, **stopped, "final_validation": final_validation}
+    if write_failed is not None:
+        outcome["error"] = str(write_failed)
     if interrupted is not None:
         saved = [cb.interrupt_path for cb in _callbacks(trainer) if isinstance(cb, ResumableCheckpoint)]
         outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
@@ -303,10 +357,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     metrics = _collect_metrics(cfg, trainer, module, name, clock, precision, outcome, wall, loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / METRICS_FILE).write_text(metrics_json(metrics))
+        write_text_atomic(run_dir / METRICS_FILE, metrics_json(metrics))
         print_summary(metrics, run_dir / METRICS_FILE)
     teardown_distributed()
     restore_env(env)
+    if write_failed is not None:
+        raise write_failed
     if interrupted is not None:
         # Rank 0 reports the interrupt. The ranks Lightning started exit 0: its watcher on rank 0 kills rank 0 as
         # soon as a child exits non-zero, which would cut metrics.json short.

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_trainopt._compat.lightning_internals import DeepSpeedStrategyHooks, PathLike
 from lightning_trainopt._compat.transformers_internals import has_per_module_init, init_marks_lifted
-from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.checkpoint.nvme_resume import restore_nvme_optimizer_state
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.optim.schedules import peak_lr
@@ -407,20 +407,9 @@ class TrainOptDeepSpeedStrategy(DeepSpeedStrategyHooks):
     # ----------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: PathLike, storage_options: Any | None = None) -> None:
-        """Write the (sharded) DeepSpeed checkpoint to a staging directory, then swap it in on rank 0."""
-        filepath = self.broadcast(str(filepath))
-        staging = self.broadcast(staging_path(filepath))
-        try:
-            super().save_checkpoint(checkpoint, staging, storage_options)
-        except BaseException:
-            self.barrier("trainopt_ds_save_failed")
-            if self.is_global_zero:
-                discard_staged(staging)
-            raise
-        self.barrier("trainopt_ds_save_done")
-        if self.is_global_zero:
-            commit_staged(staging, filepath)
-        self.barrier("trainopt_ds_save_committed")
+        """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part."""
+        parent_save = super().save_checkpoint
+        save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:

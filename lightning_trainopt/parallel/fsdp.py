@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_trainopt._compat.lightning_internals import PathLike, shard_fully_when_auto
-from lightning_trainopt.checkpoint.files import commit_staged, discard_staged, staging_path
+from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
 from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
@@ -198,17 +198,6 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
     ) -> None:
-        """Write the (sharded) checkpoint to a staging path, then swap it in on rank 0."""
-        filepath = self.broadcast(str(filepath))
-        staging = self.broadcast(staging_path(filepath))
-        try:
-            super().save_checkpoint(checkpoint, staging, storage_options)
-        except BaseException:
-            self.barrier("trainopt_fsdp_save_failed")
-            if self.is_global_zero:
-                discard_staged(staging)
-            raise
-        self.barrier("trainopt_fsdp_save_done")
-        if self.is_global_zero:
-            commit_staged(staging, filepath)
-        self.barrier("trainopt_fsdp_save_committed")
+        """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part."""
+        parent_save = super().save_checkpoint
+        save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))

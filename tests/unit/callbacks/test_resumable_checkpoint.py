@@ -133,3 +133,24 @@ def test_a_ctrl_c_under_accumulation_stops_after_a_whole_optimizer_step(tmp_path
     assert trainer.global_step == 2
     assert trainer.fit_loop.epoch_loop.batch_progress.current.completed == 6  # 2 whole steps of 3 micro-batches
     assert (tmp_path / "interrupted-step000002.ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"every_n_train_steps": -1}, "every_n_train_steps"),
+        ({"every_n_epochs": -2}, "every_n_epochs"),
+        ({"every_n_train_steps": 2.5}, "every_n_train_steps"),
+        ({"save_top_k": -2}, "save_top_k"),
+        ({"mode": "low"}, "mode"),
+        ({"save_last": "yes"}, "save_last"),
+        ({"every_n_train_steps": 5, "every_n_epochs": 1}, "every_n_epochs"),
+        ({"save_top_k": 3, "monitor": None}, "save_top_k"),
+        ({"save_on_interrupt": "no"}, "save_on_interrupt"),
+    ],
+)
+def test_nonsense_arguments_are_config_errors_naming_the_key(tmp_path, kwargs, key):
+    from lightning_trainopt.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^callbacks\.model_checkpoint\.{key}="):
+        ResumableCheckpoint(dirpath=str(tmp_path), **{"monitor": "val_loss", **kwargs})

@@ -82,3 +82,37 @@ def test_a_micro_batch_chosen_at_run_time_is_left_to_the_loader(tmp_path):
     check_resume_from_cfg(_cfg(devices=1, batch_size=2, callbacks=finder), ckpt, 1)
     with pytest.raises(ConfigError, match="data.batch_size=4"):  # the same batch without the finder is refused
         check_resume_from_cfg(_cfg(devices=1, batch_size=2), ckpt, 1)
+
+
+def _epochs(processed, completed):
+    return {
+        "global_step": 9,
+        "loops": {"fit_loop": {"epoch_progress": {"current": {"processed": processed, "completed": completed}}}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("state", "trainer", "done"),
+    [
+        ({"global_step": 60}, {"max_steps": 60}, "step 60 of max_steps=60"),
+        ({"global_step": 30}, {"max_steps": 60}, None),
+        ({"global_step": 60}, {"max_steps": 100}, None),  # the same run extended: it continues
+        ({"global_step": 60}, {"max_steps": -1}, None),
+        (
+            _epochs(3, 2),  # saved in on_train_epoch_end of the last epoch
+            {"max_steps": -1, "max_epochs": 3},
+            "3 epochs of max_epochs=3",
+        ),
+        (
+            _epochs(2, 2),
+            {"max_steps": -1, "max_epochs": 3},
+            None,
+        ),
+    ],
+)
+def test_finished_training(state, trainer, done):
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.checkpoint.resume_check import finished_training
+
+    assert finished_training(state, OmegaConf.create(trainer)) == done

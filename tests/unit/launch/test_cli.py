@@ -230,3 +230,17 @@ def test_the_first_command_that_trains_owns_the_run_directorys_record(tmp_path):
     assert "scheduler.warmup_steps=5" in OmegaConf.load(aside / "overrides.yaml")
     log = (run_dir / "train.log").read_text()
     assert "error: scheduler.warmup_steps=5 is invalid" in log
+
+
+def test_a_sweep_job_whose_checkpoint_write_failed_keeps_its_metrics(tmp_path, monkeypatch):
+    from lightning_trainopt.exceptions import CheckpointWriteError
+
+    monkeypatch.setattr(cli, "_in_multirun", lambda: True)
+    monkeypatch.setattr(cli, "_run_dir", lambda: tmp_path)
+    written = '{"status": "failed", "error": "...", "global_step": 8}'
+    (tmp_path / "metrics.json").write_text(written)
+    cli._refuse(CheckpointWriteError(str(tmp_path / "last.ckpt"), "No space left on device (ENOSPC)"))
+    assert (tmp_path / "metrics.json").read_text() == written
+    (tmp_path / "metrics.json").unlink()  # a job that failed before train() wrote anything: recorded as failed
+    cli._refuse(CheckpointWriteError(str(tmp_path / "last.ckpt"), "No space left on device (ENOSPC)"))
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "failed"

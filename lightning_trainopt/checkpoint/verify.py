@@ -1,0 +1,156 @@
+"""Is a checkpoint complete? Cheap checks that need no weights read, and the choice of the checkpoint to resume from.
+
+A file checkpoint (``torch.save``'s zip archive) is complete when its zip central directory, which ``torch.save``
+writes last at the end of the file, is there and lists ``data.pkl`` and records that lie inside the file. A
+directory checkpoint (DeepSpeed, FSDP2) is complete when it holds the manifest written after all its files
+(:data:`~lightning_trainopt.checkpoint.files.MANIFEST`) and every file listed there has its recorded size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_trainopt.checkpoint.files import BACKUP_MARK, MANIFEST, STAGING_MARK
+from lightning_trainopt.exceptions import ConfigError
+
+__all__ = ["checkpoint_problem", "newest_complete_checkpoint", "read_checkpoint_state", "verify_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+_FIX = "resume from another checkpoint (ckpt_path=<path>), or ckpt_path=last for the newest complete one."
+
+
+def _file_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    if size == 0:
+        return "the file is empty"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except zipfile.BadZipFile:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head == b"PK\x03\x04":
+            return f"the zip archive is truncated or damaged ({size:,} bytes, no end-of-archive record)"
+        return "it is not a checkpoint (not a torch.save zip archive)"
+    if not any(e.filename.endswith("/data.pkl") or e.filename == "data.pkl" for e in entries):
+        return "the zip archive holds no data.pkl: it is not a torch.save checkpoint"
+    for entry in entries:
+        # The local header (30 bytes + name) and the data must lie inside the file.
+        if entry.header_offset + 30 + len(entry.filename) + entry.compress_size > size:
+            return f"the zip archive is damaged: {entry.filename} lies beyond the end of the file"
+    return None
+
+
+def _directory_problem(path: Path) -> str | None:
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"the checkpoint directory has no {MANIFEST} (its write did not finish, or it predates this check)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, size in files.items():
+        part = path / name
+        if not part.is_file():
+            return f"{name} listed in {MANIFEST} is missing"
+        if part.stat().st_size != size:
+            return f"{name} has {part.stat().st_size:,} bytes, {MANIFEST} says {size:,} (truncated or replaced)"
+    return None
+
+
+def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+    """What makes ``path`` an incomplete checkpoint, in a few words; ``None`` when it looks complete.
+
+    Reads only the zip directory at the end of a file, or a directory's manifest and file sizes: no tensor is read,
+    so it costs milliseconds for any size. It does not catch bytes flipped inside a complete file.
+    """
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return _directory_problem(path)
+        if not path.is_file():
+            return "it does not exist"
+        return _file_problem(path)
+    except OSError as err:
+        return f"it cannot be read ({err.strerror or err})"
+
+
+def verify_checkpoint(path: str | os.PathLike[str], key: str = "ckpt_path") -> None:
+    """Refuse an incomplete checkpoint before anything is built.
+
+    Raises:
+        ConfigError: naming ``key``, the file and what is wrong with it.
+    """
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError(key, os.fspath(path), f"{problem}; {_FIX}")
+
+
+def _candidates(ckpt_dir: Path) -> list[Path]:
+    """The checkpoints in ``ckpt_dir``, newest first (staging and backup paths of unfinished writes left out)."""
+    found = [
+        p
+        for p in ckpt_dir.iterdir()
+        if p.name.endswith(".ckpt") and not p.name.startswith(".") and STAGING_MARK not in p.name
+    ]
+    found = [p for p in found if BACKUP_MARK not in p.name]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def newest_complete_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str:
+    """``ckpt_path=last``: the newest checkpoint in ``ckpt_dir`` that is complete (:func:`checkpoint_problem`).
+
+    Each newer checkpoint that is skipped is named in a warning with what is wrong with it.
+
+    Raises:
+        ConfigError: no checkpoint in ``ckpt_dir``, or none of them is complete (each is listed with its problem).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    if not found:
+        raise ConfigError(
+            "ckpt_path",
+            "last",
+            f"no checkpoint in {ckpt_dir}; point hydra.run.dir at the run to resume, or give a checkpoint path.",
+        )
+    skipped: list[tuple[Path, str]] = []
+    for path in found:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for bad, why in skipped:
+                log.warning("ckpt_path=last: skipping %s, newer than %s but incomplete: %s", bad, path.name, why)
+            return str(path)
+        skipped.append((path, problem))
+    listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+    raise ConfigError(
+        "ckpt_path",
+        "last",
+        f"no complete checkpoint in {ckpt_dir} ({listing}); start the run afresh (ckpt_path=null, another "
+        "hydra.run.dir) or give a checkpoint from elsewhere.",
+    )
+
+
+def read_checkpoint_state(path: str | os.PathLike[str], key: str = "ckpt_path") -> Mapping[str, Any]:
+    """Lightning's state in the checkpoint (:func:`~lightning_trainopt.checkpoint.state.lightning_state`), or a clear
+    error when it cannot be unpickled.
+
+    Raises:
+        ConfigError: the checkpoint is incomplete, or its ``data.pkl`` cannot be read.
+    """
+    from lightning_trainopt.checkpoint.state import lightning_state
+
+    verify_checkpoint(path, key)
+    try:
+        return lightning_state(Path(path))
+    except FileNotFoundError as err:
+        raise ConfigError(key, os.fspath(path), f"{err}; {_FIX}") from err
+    except Exception as err:  # torch.load's errors are RuntimeError, UnpicklingError, EOFError, ...
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(key, os.fspath(path), f"its saved state cannot be read ({reason}); {_FIX}") from err
