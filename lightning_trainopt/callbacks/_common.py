@@ -134,6 +134,23 @@ def check_hardware(key: str, value: Any) -> None:
         raise ConfigError(key, value, err.fix) from err
 
 
+def check_counting_args(key: str, hardware: Any, log_every_n_steps: Any, samples_fn: Any, tokens_fn: Any) -> None:
+    """Refuse a bad argument of those the counting monitors (SpeedMonitor, CostMonitor) share; ``key`` is the
+    callback's config key (``callbacks.speed_monitor``)."""
+    check_hardware(f"{key}.hardware", hardware)
+    check_log_every(f"{key}.log_every_n_steps", log_every_n_steps)
+    check_callable(f"{key}.samples_fn", samples_fn)
+    check_callable(f"{key}.tokens_fn", tokens_fn)
+
+
+def resolve_hardware(value: Any) -> Any:
+    """The :class:`~lightning_trainopt.metrics.hardware.HardwareSpec` of a ``hardware`` argument (a spec, a preset
+    name, or ``None``/``auto`` for the current device); resolved at ``setup``, once per fit."""
+    from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
+
+    return value if isinstance(value, HardwareSpec) else hardware_spec(value or "auto")
+
+
 @dataclass(frozen=True)
 class BatchCount:
     """What a monitor counted in one micro-batch: ``samples``/``tokens`` (``None``: unknown), and ``shape``, the
@@ -224,18 +241,23 @@ def json_safe(value: Any) -> Any:
 
 
 class StepEdge:
-    """Tells ``on_train_batch_end`` whether an optimizer step finished since the last call.
+    """Tells ``on_train_batch_end`` whether an optimizer step finished since the last call, and whether that step
+    closes the monitor's logging window.
 
     Under gradient accumulation several batches end with the same ``trainer.global_step``; the monitors log and
-    close their windows once per optimizer step, on the batch that moved it.
+    close their windows once per optimizer step, on the batch that moved it. The window length is resolved once per
+    fit (:meth:`reset`), not at every step.
     """
 
     def __init__(self) -> None:
         self.last = -1
+        self.every: int | None = None
 
-    def reset(self, trainer: pl.Trainer) -> None:
-        """Start counting from the Trainer's current step (fit start, resume)."""
+    def reset(self, trainer: pl.Trainer, every: int | None = None) -> None:
+        """Start counting from the Trainer's current step (fit start, resume) and fix this fit's logging window:
+        ``every`` optimizer steps, or the Trainer's ``log_every_n_steps`` for ``None``."""
         self.last = trainer.global_step
+        self.every = log_interval(trainer, every)
 
     def crossed(self, trainer: pl.Trainer) -> bool:
         """True once per new ``global_step``."""
@@ -243,3 +265,11 @@ class StepEdge:
             return False
         self.last = trainer.global_step
         return True
+
+    def closes_window(self, trainer: pl.Trainer) -> bool:
+        """The Trainer's current step ends a logging window."""
+        return trainer.global_step % (self.every or log_interval(trainer, None)) == 0
+
+    def window_closed(self, trainer: pl.Trainer) -> bool:
+        """:meth:`crossed` and the new step ends a logging window."""
+        return self.crossed(trainer) and self.closes_window(trainer)

@@ -14,20 +14,18 @@ from lightning_trainopt.callbacks._common import (
     BatchSizer,
     Clock,
     StepEdge,
-    check_callable,
-    check_hardware,
-    check_log_every,
+    check_counting_args,
     check_number,
     check_whole,
     default_clock,
     find_callback,
     json_safe,
-    log_interval,
     log_metrics,
+    resolve_hardware,
     warn_off,
 )
 from lightning_trainopt.metrics.cost import CostReport, cost_report
-from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
+from lightning_trainopt.metrics.hardware import HardwareSpec
 from lightning_trainopt.metrics.throughput import TrainingWindow
 
 __all__ = ["CostMonitor"]
@@ -80,11 +78,8 @@ class CostMonitor(Callback):
         tokens_fn: Callable[[Any], Any] | None = None,
         clock: Clock | None = None,
     ) -> None:
-        check_hardware(f"{_KEY}.hardware", hardware)
+        check_counting_args(_KEY, hardware, log_every_n_steps, samples_fn, tokens_fn)
         check_number(f"{_KEY}.price_per_device_hour", price_per_device_hour, low=0.0)
-        check_log_every(f"{_KEY}.log_every_n_steps", log_every_n_steps)
-        check_callable(f"{_KEY}.samples_fn", samples_fn)
-        check_callable(f"{_KEY}.tokens_fn", tokens_fn)
         self.hardware = hardware
         self.price_per_device_hour = price_per_device_hour
         self.target_tokens = check_whole(f"{_KEY}.target_tokens", target_tokens, minimum=1)
@@ -121,8 +116,7 @@ class CostMonitor(Callback):
         self._stage = stage
         if stage != "fit":
             return
-        spec = self.hardware
-        self._spec = spec if isinstance(spec, HardwareSpec) else hardware_spec(spec or "auto")
+        self._spec = resolve_hardware(self.hardware)
         self._price = (
             self.price_per_device_hour if self.price_per_device_hour is not None else self._spec.price_per_device_hour
         )
@@ -153,7 +147,7 @@ class CostMonitor(Callback):
         self._devices = trainer.world_size
         self._start_run(trainer.global_step)
         self._report = None
-        self._edge.reset(trainer)
+        self._edge.reset(trainer, self.log_every_n_steps)
         self._logged_step = -1
         self._steps_total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if self._steps_total is None:
@@ -234,12 +228,10 @@ class CostMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._edge.crossed(trainer):
-            return
-        step = trainer.global_step
-        self._steps_done = step
-        if step % log_interval(trainer, self.log_every_n_steps) == 0:
-            self._log(trainer, self.report(trainer))
+        if self._edge.crossed(trainer):
+            self._steps_done = trainer.global_step
+            if self._edge.closes_window(trainer):
+                self._log(trainer, self.report(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
