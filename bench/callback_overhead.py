@@ -12,8 +12,9 @@ Two figures per callback:
   training step is attributed to that step. A step whose in-hook time exceeds ``median + max(10 x median, 0.5 ms)`` did
   one-time work (FLOP counting at the first batch, MemoryBreakdown's measured step): its excess over the median is
   one-time, the rest per-step. **Per-step** is the mean over all steps of what remains, logging-window closes
-  included, and its share of the median step time of the ``none`` arm. It is the training thread's CPU time in our
-  code (``time.thread_time``), so other jobs preempting this process on a shared machine do not inflate it.
+  included, and its share of the median step time of the ``none`` arm (its CPU time on CPU). It is the training
+  thread's CPU time in our code (``time.thread_time``), so other jobs preempting this process on a shared machine do
+  not inflate it.
   Not in it: work outside our hooks, i.e. the saved-tensor hooks MemoryBreakdown installs for the forward of its one
   measured step (one-time), and on a GPU any wait a hook causes later in the step (the monitors add none:
   ``tests/unit/callbacks/test_no_per_step_sync.py``).
@@ -191,22 +192,19 @@ class HookClock:
 
 
 def make_data(args: argparse.Namespace) -> Any:
-    vocab = GPT_MODELS[args.model].vocab_size if args.model in GPT_MODELS else VOCAB
+    """Random tokens: ``(x,)`` batches for the plain module, ``(x, y)`` next-token pairs for LitGPT."""
     g = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, vocab, ((args.steps + 1) * args.batch_size, args.seq_len), generator=g)
-    return DataLoader(TensorDataset(rows), batch_size=args.batch_size)
+    if args.model == "plain":
+        rows = torch.randint(0, VOCAB, ((args.steps + 1) * args.batch_size, args.seq_len), generator=g)
+        return DataLoader(TensorDataset(rows), batch_size=args.batch_size)
+    vocab = GPT_MODELS[args.model].vocab_size
+    rows = torch.randint(0, vocab, ((args.steps + 1) * args.batch_size, args.seq_len + 1), generator=g)
+    return DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=args.batch_size)
 
 
 def make_model(args: argparse.Namespace) -> pl.LightningModule:
     torch.manual_seed(0)
-    if args.model == "plain":
-        return PlainLM()
-
-    class _TupleGPT(LitGPT):  # LitGPT takes the token tensor itself; the bench's loader yields 1-tuples
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return super().training_step(batch[0], batch_idx)
-
-    return _TupleGPT(GPT_MODELS[args.model])
+    return PlainLM() if args.model == "plain" else LitGPT(GPT_MODELS[args.model])
 
 
 def one_run(args: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -272,9 +270,18 @@ def main() -> None:
         f"batch={args.batch_size}x{args.seq_len} steps={args.steps} rounds={args.rounds} "
         f"threads={torch.get_num_threads()} ({time.time() - started:.0f} s)"
     )
-    base = statistics.median(run["wall"] for run in runs["none"])
-    print(f"median step time of 'none': {1e3 * base:.2f} ms (wall; medians of runs, warm-up steps left out)")
-    print("\nIn-hook time (host; median over rounds). One-time: fit start/end and one-time work inside steps.")
+    wall = statistics.median(run["wall"] for run in runs["none"])
+    # In-hook time is CPU time of the training thread, so on CPU its share is of the step's CPU time: on a loaded
+    # machine the wall step stretches with other jobs' work, which would understate the share.
+    base = statistics.median(run["cpu"] for run in runs["none"]) if args.device == "cpu" else wall
+    print(
+        f"median step time of 'none': {1e3 * wall:.2f} ms wall"
+        + (f", {1e3 * base:.2f} ms process CPU (the % below)" if args.device == "cpu" else " (the % below)")
+        + " (median of the runs' medians, warm-up steps left out)"
+    )
+    print(
+        "\nIn-hook time (training thread CPU; median over rounds). One-time: fit start/end and one-time work in steps."
+    )
     print(f"| {'callback':<16} | {'one-time ms':>11} | {'per-step us':>11} | {'per-step % of a step':>20} |")
     print(f"|{'-' * 18}|{'-' * 13}|{'-' * 13}|{'-' * 22}|")
     source = ALL if ALL in runs else None
