@@ -6,13 +6,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_trainopt.metrics.throughput import BatchSize, batch_size_of
+
+if TYPE_CHECKING:
+    from lightning_trainopt.metrics.hardware import HardwareSpec
 
 Clock = Callable[[], float]
 
@@ -143,7 +146,7 @@ def check_counting_args(key: str, hardware: Any, log_every_n_steps: Any, samples
     check_callable(f"{key}.tokens_fn", tokens_fn)
 
 
-def resolve_hardware(value: Any) -> Any:
+def resolve_hardware(value: Any) -> HardwareSpec:
     """The :class:`~lightning_trainopt.metrics.hardware.HardwareSpec` of a ``hardware`` argument (a spec, a preset
     name, or ``None``/``auto`` for the current device); resolved at ``setup``, once per fit."""
     from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec

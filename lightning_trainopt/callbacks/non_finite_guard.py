@@ -34,6 +34,17 @@ def grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
     return full() if callable(full) else norm
 
 
+def _scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a 0-d tensor that is finite exactly when the loss is (a 0-d loss itself, no kernel).
+
+    A loss of several elements (``manual_backward`` with a gradient) is summed: any NaN or infinity makes the sum
+    non-finite; finite elements overflow it only beyond ~3e38, where the gradient norm overflows first anyway.
+    """
+    if loss.dim() == 0:
+        return loss
+    return loss.reshape(()) if loss.numel() == 1 else loss.sum()
+
+
 @dataclass(frozen=True)
 class GuardDecision:
     """What the guard does with one optimizer step.
@@ -190,7 +201,7 @@ class NonFiniteGuard(Callback):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         norm = grad_norm(params)
         losses, self._losses = self._losses, []
-        values = [t.reshape(()) if t.dim() else t for t in losses]
+        values = [_scalar(t) for t in losses]
         if norm is not None:
             values.append(norm.detach().to(values[0].device) if values else norm.detach())
         if not values:

@@ -282,3 +282,14 @@ def test_a_bad_micro_batch_is_caught_at_its_step_with_one_read_and_no_kernel_per
     assert all(names.count("tolist") == 1 for names in guard.step_ops), guard.step_ops
     # The finiteness checks are made on the host, on the values read (no isfinite/all kernels on the device).
     assert not {"isfinite", "all", "__and__", "logical_and"} & {n for names in guard.step_ops for n in names}
+
+
+def test_scalar_loss_keeps_finiteness_without_a_kernel_for_a_0d_loss():
+    from lightning_trainopt.callbacks.non_finite_guard import _scalar
+
+    loss = torch.tensor(2.5)
+    assert _scalar(loss) is loss
+    assert _scalar(torch.tensor([2.5])).shape == ()
+    assert _scalar(torch.tensor([1.0, 2.0])).item() == 3.0
+    assert not torch.isfinite(_scalar(torch.tensor([1.0, float("nan")])))
+    assert not torch.isfinite(_scalar(torch.tensor([float("inf"), float("-inf")])))
