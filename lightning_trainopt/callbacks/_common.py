@@ -276,3 +276,31 @@ class StepEdge:
     def window_closed(self, trainer: pl.Trainer) -> bool:
         """:meth:`crossed` and the new step ends a logging window."""
         return self.crossed(trainer) and self.closes_window(trainer)
+
+
+class FitRestore:
+    """Whether the fit about to start continues a state restored into the monitor, or is a new run.
+
+    Lightning restores callback state after ``setup("fit")`` (``ckpt_path``), or the user calls ``load_state_dict``
+    before ``fit``; a restore during validate/test/predict starts no fit, and a restore counts for its own fit only
+    (a fit that raises forgets it). A fit at ``global_step`` 0 with nothing restored for it is a new run, whose
+    figures start afresh, also with a monitor object used before.
+    """
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+        self.restored = False
+
+    def end(self) -> None:
+        """The stage ended (``teardown``) or raised (``on_exception``): no stage runs, nothing restored is pending."""
+        self.stage = None
+        self.restored = False
+
+    def loaded(self, running: bool = False) -> None:
+        """``load_state_dict`` was called; ``running``: during training, so it belongs to this fit, not the next."""
+        self.restored = self.stage in (None, "fit") and not running
+
+    def new_run(self, trainer: pl.Trainer) -> bool:
+        """At ``on_train_start``: True when this fit is a new run; uses up the pending restore either way."""
+        restored, self.restored = self.restored, False
+        return not restored and trainer.global_step == 0

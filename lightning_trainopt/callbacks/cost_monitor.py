@@ -13,6 +13,7 @@ from typing_extensions import override
 from lightning_trainopt.callbacks._common import (
     BatchSizer,
     Clock,
+    FitRestore,
     StepEdge,
     check_counting_args,
     check_number,
@@ -102,8 +103,7 @@ class CostMonitor(Callback):
         self._sizer = BatchSizer(
             "CostMonitor", samples_fn, tokens_fn, "its per-token and per-sample figures are left out"
         )
-        self._stage: str | None = None
-        self._restored = False
+        self._restore = FitRestore()
         self._logged_step = -1
         self._steps_done = 0
         self._steps_total: int | None = None
@@ -113,7 +113,7 @@ class CostMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stage = stage
+        self._restore.stage = stage
         if stage != "fit":
             return
         self._spec = resolve_hardware(self.hardware)
@@ -129,19 +129,17 @@ class CostMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stage = None
+        self._restore.stage = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips teardown when a stage raises; the time already trained stays billed.
         self._close_run()
-        self._stage = None
-        self._restored = False
+        self._restore.end()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        restored, self._restored = self._restored, False
-        if not restored and trainer.global_step == 0:  # a new run: figures start afresh
+        if self._restore.new_run(trainer):  # figures start afresh
             self._hours_before, self._tokens_before, self._samples_before = 0.0, 0, 0
             self._sizer.warned = False
         self._devices = trainer.world_size
@@ -277,9 +275,7 @@ class CostMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the figures of earlier runs (all devices, each run billed at its own world size)."""
         running = self._run.started
-        # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
-        # validate/test/predict restores start no fit, and a load while training is this fit's.
-        self._restored = self._stage in (None, "fit") and not running
+        self._restore.loaded(running)
         tokens, samples = state_dict["tokens"], state_dict["samples"]
         self._hours_before = float(state_dict["device_hours"])
         self._tokens_before = None if tokens is None else int(tokens)

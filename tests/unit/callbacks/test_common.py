@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_trainopt.callbacks._common import StepEdge, check_counting_args, resolve_hardware
+from lightning_trainopt.callbacks._common import FitRestore, StepEdge, check_counting_args, resolve_hardware
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.hardware import hardware_spec
 
@@ -46,3 +46,22 @@ def test_counting_args_name_the_callbacks_key():
     spec = hardware_spec("a100_80gb")
     assert resolve_hardware(spec) is spec
     assert resolve_hardware("a100_80gb").name == spec.name
+
+
+def test_fit_restore_counts_a_load_for_the_next_fit_only():
+    at0, at7 = SimpleNamespace(global_step=0), SimpleNamespace(global_step=7)
+    r = FitRestore()
+    assert r.new_run(at0)  # nothing restored, step 0: a new run
+    assert not r.new_run(at7)  # a fit that starts at step 7 continues whatever the monitor holds
+    r.loaded()  # before fit (no stage): counts for the next fit
+    assert not r.new_run(at0)
+    assert r.new_run(at0)  # used up: the fit after it is new again
+    r.stage = "validate"
+    r.loaded()  # a validate-time restore starts no fit
+    r.stage = "fit"
+    assert r.new_run(at0)
+    r.loaded()  # Lightning's restore after setup("fit")
+    r.end()  # that fit raised: the restore is not carried to the next one
+    assert r.new_run(at0)
+    r.loaded(running=True)  # loaded while training: this fit's, not the next one's
+    assert r.new_run(at0)
