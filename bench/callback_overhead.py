@@ -1,74 +1,110 @@
-"""Overhead of the monitoring callbacks: the demo model with all of them on versus none, alternating runs.
+"""Overhead of the monitoring callbacks: one-time and per-step cost of each, and of all six together, against none.
 
-Each run trains ``--steps`` optimizer steps and times every step after ``--warmup`` separately (timestamps at each
-batch start; CUDA events on a GPU, so the harness adds no synchronisation to the loop). The figure of a run is its
-median step time, which the overhead target (at most +1%) is stated in and which a single preempted step cannot move.
-Runs alternate (none, all, all, none, ...) in one process so drifts hit both arms; printed are the median over all
-timed steps of each arm, the median of the per-round paired ratios and a bootstrap 95% interval for it.
+The six monitors (GPUMonitor, StepTimer, SpeedMonitor, MemoryBreakdown, CostMonitor, NonFiniteGuard) are timed on
+the same model and data in one process, each alone, all six together, and none, in rounds whose order alternates
+(forward on even rounds, backward on odd ones) so that a drift of the shared machine hits every arm alike.
 
-Two clocks on CPU: wall time (what a user pays for) and the process's CPU time (``time.process_time``: every
-thread of this process, the monitors' background threads included). On a shared machine, other jobs stretch wall
-time by tens of percent while the CPU work of a single-threaded run (``--threads 1``) barely moves, so the CPU-time
-ratio resolves a 1% difference where the wall-time ratio cannot.
+Two figures per callback:
 
-On the development VM most of the noise is between runs: identical runs settle at speeds up to +-13% apart, pinned
-to one core (``taskset -c 1``) or not, so many rounds are needed for a narrow interval (bench/RESULTS.md).
+- **In-hook time** (the table): every hook the callback overrides, and the functions it patches into the loop
+  (StepTimer's marks), is wrapped with a timer that counts only the outermost call. Time in ``setup``,
+  ``on_fit_start``, ``on_train_start``, ``on_train_end``, ``teardown`` and the like is **one-time**; time inside a
+  training step is attributed to that step. A step whose in-hook time exceeds ``median + max(10 x median, 0.5 ms)`` did
+  one-time work (FLOP counting at the first batch, MemoryBreakdown's measured step): its excess over the median is
+  one-time, the rest per-step. **Per-step** is the mean over all steps of what remains, logging-window closes
+  included, and its share of the median step time of the ``none`` arm (its CPU time on CPU). It is the training
+  thread's CPU time in our code (``time.thread_time``), so other jobs preempting this process on a shared machine do
+  not inflate it.
+  Not in it: work outside our hooks, i.e. the saved-tensor hooks MemoryBreakdown installs for the forward of its one
+  measured step (one-time), and on a GPU any wait a hook causes later in the step (the monitors add none:
+  ``tests/unit/callbacks/test_no_per_step_sync.py``).
+- **End-to-end ratio**: the median step time of each arm's run over that of the ``none`` run of the same round,
+  median and spread (min-max) over the rounds. On a 2-core VM shared with other jobs identical runs differ by up
+  to +-13%, so this ratio cannot resolve 1%; the in-hook time can.
 
-    python bench/callback_overhead.py                           # CPU, gpt_tiny-like model
-    taskset -c 1 python bench/callback_overhead.py --threads 1 --rounds 16   # CPU, as recorded in RESULTS.md
-    python bench/callback_overhead.py --device cuda --model 125m --steps 60 --rounds 5
+    python bench/callback_overhead.py                                   # plain LightningModule on CPU, 60 steps
+    taskset -c 1 python bench/callback_overhead.py --threads 1 --rounds 5   # as recorded in bench/RESULTS.md
+    python bench/callback_overhead.py --device cuda --model 125m --steps 60 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
-import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_trainopt.callbacks import (  # noqa: E402
     CostMonitor,
     GPUMonitor,
     MemoryBreakdown,
-    MemorySnapshot,
+    NonFiniteGuard,
     SpeedMonitor,
     StepTimer,
 )
-from lightning_trainopt.data.datamodule import TextDataModule  # noqa: E402
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
 
-MODELS = {
+GPT_MODELS = {
     "tiny": GPTConfig(name="gpt_tiny", n_layers=4, d_model=128, n_heads=4, ffn_hidden=352, max_seq_len=512),
     "125m": GPTConfig(
         name="gpt_125m", vocab_size=50304, n_layers=12, d_model=768, n_heads=12, ffn_hidden=2048, max_seq_len=2048
     ),
 }
+VOCAB = 256
+
+
+class PlainLM(pl.LightningModule):
+    """A plain LightningModule (no GPTConfig): SpeedMonitor counts its FLOPs with torch's flop counter, once."""
+
+    def __init__(self, d_model: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d_model)
+        block = nn.TransformerEncoderLayer(d_model, 4, 4 * d_model, batch_first=True, dropout=0.0)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        logits = self.head(self.blocks(self.emb(x)))
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+MONITORS: dict[str, Callable[[], pl.Callback]] = {
+    "GPUMonitor": GPUMonitor,
+    "StepTimer": StepTimer,
+    "SpeedMonitor": SpeedMonitor,
+    "MemoryBreakdown": MemoryBreakdown,
+    "CostMonitor": lambda: CostMonitor(price_per_device_hour=1.0),
+    "NonFiniteGuard": NonFiniteGuard,
+}
+ALL = "all six"
 
 
 class _StepClock(pl.Callback):
-    """Per-step durations without adding a synchronisation to the loop.
+    """Per-step durations (timestamps at every batch start), and the step that is running for :class:`HookClock`.
 
-    A timestamp is taken at the start of every training batch and once more at the end of the last one; the step
-    time is the gap between consecutive timestamps, so it covers everything the loop does for that step (data
-    loading, every callback hook, forward, backward, optimizer). On CPU the timestamps are host clocks (wall and the
-    process's CPU time). On CUDA they are CUDA events recorded on the current stream: they mark the GPU's position in
-    its queue, so the gaps are GPU-side step times (a stall of the host that starves the GPU lengthens them) and
-    nothing waits on the device until the events are read after ``fit``.
+    On CPU the timestamps are host clocks (wall and the process's CPU time). On CUDA they are CUDA events recorded on
+    the current stream, read after ``fit``, so the harness adds no synchronisation to the loop.
     """
 
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps = warmup, steps
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.step: int | None = None  # None: outside a training step
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.events: list[Any] = []
@@ -83,78 +119,100 @@ class _StepClock(pl.Callback):
             self.cpu.append(time.process_time())
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step >= self.warmup:
-            self._mark(pl_module)
+        self.step = trainer.global_step
+        self._mark(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.steps:
             self._mark(pl_module)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = None
+
     def step_seconds(self) -> tuple[list[float], list[float]]:
         """(wall or GPU seconds per step, process CPU seconds per step; empty on CUDA)."""
         if self.events:
             torch.cuda.synchronize()
-            gpu = [a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:])]
-            return gpu, []
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.events, self.events[1:])], []
         wall = [b - a for a, b in zip(self.wall, self.wall[1:])]
-        cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])]
-        return wall, cpu
+        return wall, [b - a for a, b in zip(self.cpu, self.cpu[1:])]
 
 
-_HOOKS = (
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-)
+# Hooks a monitor may override, and the private functions that run inside the loop on its behalf.
+_HOOKS = tuple(n for n in dir(pl.Callback) if n.startswith("on_") or n in ("setup", "teardown"))
+_PATCHED = ("_mark", "_grads_ready")
 
 
 class HookClock:
-    """Host seconds spent inside the monitors' per-step hooks (wraps the bound methods of each instance)."""
+    """CPU seconds of the training thread inside one callback's hooks: outside any step (one-time) and per step.
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
+    ``time.thread_time``: time this thread runs, so a preemption by other jobs on a shared machine is not counted.
+    """
 
-    def wrap(self, callbacks: list[pl.Callback]) -> list[pl.Callback]:
-        for cb in callbacks:
-            for name in _HOOKS:
-                if type(cb).__dict__.get(name) is None:
-                    continue
-                original = getattr(cb, name)
+    def __init__(self, steps: _StepClock) -> None:
+        self._steps = steps
+        self._depth = 0
+        self.outside = 0.0
+        self.per_step: dict[int, float] = {}
 
-                def timed(*a: Any, _f: Any = original, **k: Any) -> Any:
-                    t = time.perf_counter()
-                    try:
-                        return _f(*a, **k)
-                    finally:
-                        self.seconds += time.perf_counter() - t
+    def wrap(self, cb: pl.Callback) -> pl.Callback:
+        for name in (*_HOOKS, *_PATCHED):
+            own = any(name in vars(k) for k in type(cb).__mro__ if k not in (pl.Callback, object))
+            if own:
+                setattr(cb, name, self._timed(getattr(cb, name)))
+        return cb
 
-                setattr(cb, name, timed)
-        return callbacks
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # a mark inside a hook: counted by the hook
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.thread_time() - start
+                self._depth -= 1
+                step = self._steps.step
+                if step is None:
+                    self.outside += took
+                else:
+                    self.per_step[step] = self.per_step.get(step, 0.0) + took
+
+        return timed
+
+    def split(self) -> tuple[float, float, float]:
+        """(one-time seconds, mean per-step seconds, median per-step seconds) as the module docstring defines."""
+        steps = list(self.per_step.values()) or [0.0]
+        med = statistics.median(steps)
+        limit = med + max(10 * med, 5e-4)
+        one_time = self.outside + sum(t - med for t in steps if t > limit)
+        kept = [min(t, med) if t > limit else t for t in steps]
+        return one_time, statistics.fmean(kept), med
 
 
-def monitors(tmp: str) -> list[pl.Callback]:
-    """What `callbacks=default` switches on (without checkpointing)."""
-    return [
-        StepTimer(),
-        SpeedMonitor(),
-        MemoryBreakdown(),
-        CostMonitor(price_per_device_hour=1.0),
-        GPUMonitor(),
-        MemorySnapshot(dirpath=tmp),
-    ]
+def make_data(args: argparse.Namespace) -> Any:
+    """Random tokens: ``(x,)`` batches for the plain module, ``(x, y)`` next-token pairs for LitGPT."""
+    g = torch.Generator().manual_seed(0)
+    if args.model == "plain":
+        rows = torch.randint(0, VOCAB, ((args.steps + 1) * args.batch_size, args.seq_len), generator=g)
+        return DataLoader(TensorDataset(rows), batch_size=args.batch_size)
+    vocab = GPT_MODELS[args.model].vocab_size
+    rows = torch.randint(0, vocab, ((args.steps + 1) * args.batch_size, args.seq_len + 1), generator=g)
+    return DataLoader(TensorDataset(rows[:, :-1], rows[:, 1:]), batch_size=args.batch_size)
 
 
-def one_run(
-    args: argparse.Namespace, with_monitors: bool, tmp: str, hooks: HookClock | None = None
-) -> dict[str, list[float]]:
-    """Per-step seconds of the timed steps: ``{"wall": [...], "cpu": [...]}`` (``wall`` is GPU time on CUDA)."""
-    clock = _StepClock(args.warmup, args.steps)
-    mons = monitors(tmp) if with_monitors else []
-    if hooks is not None:
-        hooks.wrap(mons)
-    callbacks = [*mons, clock]
+def make_model(args: argparse.Namespace) -> pl.LightningModule:
+    torch.manual_seed(0)
+    return PlainLM() if args.model == "plain" else LitGPT(GPT_MODELS[args.model])
+
+
+def one_run(args: argparse.Namespace, arm: str) -> dict[str, Any]:
+    """Per-step seconds of the timed steps and, per monitor, its :class:`HookClock` split."""
+    clock = _StepClock(args.steps)
+    names = list(MONITORS) if arm == ALL else [] if arm == "none" else [arm]
+    hooks = {n: HookClock(clock) for n in names}
+    monitors = [hooks[n].wrap(MONITORS[n]()) for n in names]
     trainer = pl.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=1,
@@ -166,102 +224,87 @@ def one_run(
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=callbacks,
+        callbacks=[clock, *monitors],
     )
-    torch.manual_seed(0)
-    data = TextDataModule(
-        corpus="synthetic",
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        vocab_size=MODELS[args.model].vocab_size,
-        synthetic_tokens=4_000_000,
-        seed=0,
-    )
-    trainer.fit(LitGPT(MODELS[args.model]), data)
+    trainer.fit(make_model(args), make_data(args))
     wall, cpu = clock.step_seconds()
-    if len(wall) != args.steps - args.warmup:
-        raise RuntimeError(f"timed {len(wall)} steps, expected {args.steps - args.warmup}")
-    return {"wall": wall, "cpu": cpu}
-
-
-def paired_interval(none: list[float], on: list[float], draws: int = 2000) -> tuple[float, float, float]:
-    """Median of the per-round ratios ``on / none`` and a bootstrap 95% interval of that median."""
-    ratios = [b / a for a, b in zip(none, on)]
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+    if len(wall) != args.steps:
+        raise RuntimeError(f"timed {len(wall)} steps, expected {args.steps}")
+    skip = args.warmup  # the first steps pay allocation and one-time work: the step-time median leaves them out
+    return {
+        "wall": statistics.median(wall[skip:]),
+        "cpu": statistics.median(cpu[skip:]) if cpu else None,
+        "hooks": {n: h.split() for n, h in hooks.items()},
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--model", choices=["plain", *sorted(GPT_MODELS)], default="plain")
     p.add_argument("--precision", default=None, help="default: 32-true on CPU, bf16-mixed on CUDA")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of each run's median step time")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--hook-time", action="store_true", help="also time the monitors' hooks (one extra run per round)")
+    p.add_argument("--arms", default="each,all", help="each: every monitor alone; all: the six together")
+    p.add_argument("--hook-time", action="store_true", help="accepted for bench/gpu_checks.sh; always on")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0: torch's default)")
     args = p.parse_args()
     args.precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
-    arms = ("none", "all monitors")
-    clocks = ("wall", "cpu") if args.device == "cpu" else ("wall",)
-    # steps[clock][arm] = one list of per-step seconds per run
-    steps: dict[str, dict[str, list[list[float]]]] = {c: {arm: [] for arm in arms} for c in clocks}
-    hook_s_per_step: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        one_run(args, False, tmp)  # warm caches and kernels before either arm is timed
-        for r in range(args.rounds):
-            # Alternate which arm goes first, so a drift within a round favours neither.
-            for arm in arms if r % 2 == 0 else arms[::-1]:
-                per_step = one_run(args, arm != "none", tmp)
-                for c in clocks:
-                    steps[c][arm].append(per_step[c])
-            if args.hook_time:
-                hooks = HookClock()
-                one_run(args, True, tmp, hooks)
-                hook_s_per_step.append(hooks.seconds / args.steps)
+    wanted = args.arms.split(",")
+    arms = ["none", *(MONITORS if "each" in wanted else []), *([ALL] if "all" in wanted else [])]
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    one_run(args, ALL)  # warm caches, kernels and lazy imports before any arm is timed
+    started = time.time()
+    for r in range(args.rounds):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            runs[arm].append(one_run(args, arm))
     print(
         f"\ncallback overhead: model={args.model} device={args.device} precision={args.precision} "
-        f"batch={args.batch_size}x{args.seq_len} steps={args.steps} (timed {args.steps - args.warmup}) "
-        f"rounds={args.rounds} threads={torch.get_num_threads()}"
+        f"batch={args.batch_size}x{args.seq_len} steps={args.steps} rounds={args.rounds} "
+        f"threads={torch.get_num_threads()} ({time.time() - started:.0f} s)"
     )
-    clock_name = {"wall": "gpu" if args.device == "cuda" else "wall", "cpu": "cpu"}
-    print("'median'/'mean': over every timed step of the arm (the mean includes the logging-window closes)")
-    header = f"{'clock':<6} {'arm':<14} {'median s':>10} {'ratio':>7} {'mean s':>10} {'ratio':>7}"
-    print(f"{header}  per-run medians (s/step)")
-    for c in clocks:
-        ref_med = statistics.median(x for run in steps[c]["none"] for x in run)
-        ref_mean = statistics.fmean(x for run in steps[c]["none"] for x in run)
-        for arm in arms:
-            med = statistics.median(x for run in steps[c][arm] for x in run)
-            mean = statistics.fmean(x for run in steps[c][arm] for x in run)
-            runs = ", ".join(f"{statistics.median(run):.4f}" for run in steps[c][arm])
-            print(
-                f"{clock_name[c]:<6} {arm:<14} {med:>10.5f} {med / ref_med:>7.4f} {mean:>10.5f} {mean / ref_mean:>7.4f}"
-                f"  {runs}"
-            )
-    for c in clocks:
-        none = [statistics.median(run) for run in steps[c]["none"]]
-        on = [statistics.median(run) for run in steps[c]["all monitors"]]
-        med, lo, hi = paired_interval(none, on)
-        print(
-            f"overhead ({clock_name[c]}): {100 * (med - 1):+.2f}% median of the paired per-run ratios of median step "
-            f"times, bootstrap 95% interval [{100 * (lo - 1):+.2f}%, {100 * (hi - 1):+.2f}%] (target <= +1%)"
-        )
-    if hook_s_per_step:
-        h = statistics.median(hook_s_per_step)
-        base = statistics.median(x for run in steps["wall"]["none"] for x in run)
-        print(
-            f"host time inside the monitors' per-step hooks: {1e3 * h:.3f} ms/step = {100 * h / base:.3f}% of the "
-            f"median step (all steps, window closes included; less sensitive to machine noise than the ratio)"
-        )
+    wall = statistics.median(run["wall"] for run in runs["none"])
+    # In-hook time is CPU time of the training thread, so on CPU its share is of the step's CPU time: on a loaded
+    # machine the wall step stretches with other jobs' work, which would understate the share.
+    base = statistics.median(run["cpu"] for run in runs["none"]) if args.device == "cpu" else wall
+    print(
+        f"median step time of 'none': {1e3 * wall:.2f} ms wall"
+        + (f", {1e3 * base:.2f} ms process CPU (the % below)" if args.device == "cpu" else " (the % below)")
+        + " (median of the runs' medians, warm-up steps left out)"
+    )
+    print(
+        "\nIn-hook time (training thread CPU; median over rounds). One-time: fit start/end and one-time work in steps."
+    )
+    print(f"| {'callback':<16} | {'one-time ms':>11} | {'per-step us':>11} | {'per-step % of a step':>20} |")
+    print(f"|{'-' * 18}|{'-' * 13}|{'-' * 13}|{'-' * 22}|")
+    source = ALL if ALL in runs else None
+    totals = [0.0, 0.0]
+    for name in MONITORS:
+        arm = source or name
+        if arm not in runs:
+            continue
+        one = statistics.median(run["hooks"][name][0] for run in runs[arm])
+        per = statistics.median(run["hooks"][name][1] for run in runs[arm])
+        totals[0] += one
+        totals[1] += per
+        print(f"| {name:<16} | {1e3 * one:>11.2f} | {1e6 * per:>11.1f} | {100 * per / base:>19.3f}% |")
+    six = f"| {'six together':<16} | {1e3 * totals[0]:>11.2f} | {1e6 * totals[1]:>11.1f} |"
+    print(f"{six} {100 * totals[1] / base:>19.3f}% |")
+    print(f"(per callback: measured in the '{source}' arm)" if source else "")
+    print("\nEnd-to-end: median step time of the arm / of 'none' in the same round (median [min, max] over rounds)")
+    for clock in ("wall", "cpu"):
+        if runs["none"][0][clock] is None:
+            continue
+        for arm in arms[1:]:
+            ratios = sorted(a[clock] / b[clock] for a, b in zip(runs[arm], runs["none"]))
+            print(f"  {clock:<4} {arm:<16} {statistics.median(ratios):.4f} [{ratios[0]:.4f}, {ratios[-1]:.4f}]")
 
 
 if __name__ == "__main__":

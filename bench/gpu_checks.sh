@@ -34,10 +34,10 @@ lightning.__version__, hydra.__version__, deepspeed.__version__)" 2>&1 | tee "$O
     # forensics, allocator breakdown, MFU on GPU, activation offload, finder OOM trials, fp16 fit, planner peak.
     log "pytest -m cuda"
     timeout 270 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda 2>&1 | tee "$OUT/pytest_cuda.txt"
-    # Callback overhead: all monitors vs none, 125M model, bf16 (target <= +1%).
+    # Callback overhead: the six monitors vs none, 125M model, bf16: per-callback one-time/per-step table (target < 1%).
     log "callback overhead"
     timeout 120 "$PY" bench/callback_overhead.py --device cuda --model 125m --steps 40 --warmup 10 --rounds 3 \
-        --batch-size 8 --seq-len 1024 --log-every 10 --hook-time 2>&1 | tail -12 | tee "$OUT/callback_overhead_cuda.txt"
+        --batch-size 8 --seq-len 1024 --log-every 10 --arms all 2>&1 | tail -18 | tee "$OUT/callback_overhead_cuda.txt"
     # Planner accuracy: predicted peak vs torch.cuda.max_memory_allocated, gpt_1b bf16 with/without checkpointing (table).
     log "planner gpu"
     timeout 120 "$PY" bench/planner_accuracy.py gpu 2>&1 | tee "$OUT/planner_gpu.txt"

@@ -6,13 +6,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_trainopt.metrics.throughput import BatchSize, batch_size_of
+
+if TYPE_CHECKING:
+    from lightning_trainopt.metrics.hardware import HardwareSpec
 
 Clock = Callable[[], float]
 
@@ -134,6 +137,23 @@ def check_hardware(key: str, value: Any) -> None:
         raise ConfigError(key, value, err.fix) from err
 
 
+def check_counting_args(key: str, hardware: Any, log_every_n_steps: Any, samples_fn: Any, tokens_fn: Any) -> None:
+    """Refuse a bad argument of those the counting monitors (SpeedMonitor, CostMonitor) share; ``key`` is the
+    callback's config key (``callbacks.speed_monitor``)."""
+    check_hardware(f"{key}.hardware", hardware)
+    check_log_every(f"{key}.log_every_n_steps", log_every_n_steps)
+    check_callable(f"{key}.samples_fn", samples_fn)
+    check_callable(f"{key}.tokens_fn", tokens_fn)
+
+
+def resolve_hardware(value: Any) -> HardwareSpec:
+    """The :class:`~lightning_trainopt.metrics.hardware.HardwareSpec` of a ``hardware`` argument (a spec, a preset
+    name, or ``None``/``auto`` for the current device); resolved at ``setup``, once per fit."""
+    from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
+
+    return value if isinstance(value, HardwareSpec) else hardware_spec(value or "auto")
+
+
 @dataclass(frozen=True)
 class BatchCount:
     """What a monitor counted in one micro-batch: ``samples``/``tokens`` (``None``: unknown), and ``shape``, the
@@ -224,18 +244,23 @@ def json_safe(value: Any) -> Any:
 
 
 class StepEdge:
-    """Tells ``on_train_batch_end`` whether an optimizer step finished since the last call.
+    """Tells ``on_train_batch_end`` whether an optimizer step finished since the last call, and whether that step
+    closes the monitor's logging window.
 
     Under gradient accumulation several batches end with the same ``trainer.global_step``; the monitors log and
-    close their windows once per optimizer step, on the batch that moved it.
+    close their windows once per optimizer step, on the batch that moved it. The window length is resolved once per
+    fit (:meth:`reset`), not at every step.
     """
 
     def __init__(self) -> None:
         self.last = -1
+        self.every: int | None = None
 
-    def reset(self, trainer: pl.Trainer) -> None:
-        """Start counting from the Trainer's current step (fit start, resume)."""
+    def reset(self, trainer: pl.Trainer, every: int | None = None) -> None:
+        """Start counting from the Trainer's current step (fit start, resume) and fix this fit's logging window:
+        ``every`` optimizer steps, or the Trainer's ``log_every_n_steps`` for ``None``."""
         self.last = trainer.global_step
+        self.every = log_interval(trainer, every)
 
     def crossed(self, trainer: pl.Trainer) -> bool:
         """True once per new ``global_step``."""
@@ -243,3 +268,39 @@ class StepEdge:
             return False
         self.last = trainer.global_step
         return True
+
+    def closes_window(self, trainer: pl.Trainer) -> bool:
+        """The Trainer's current step ends a logging window."""
+        return trainer.global_step % (self.every or log_interval(trainer, None)) == 0
+
+    def window_closed(self, trainer: pl.Trainer) -> bool:
+        """:meth:`crossed` and the new step ends a logging window."""
+        return self.crossed(trainer) and self.closes_window(trainer)
+
+
+class FitRestore:
+    """Whether the fit about to start continues a state restored into the monitor, or is a new run.
+
+    Lightning restores callback state after ``setup("fit")`` (``ckpt_path``), or the user calls ``load_state_dict``
+    before ``fit``; a restore during validate/test/predict starts no fit, and a restore counts for its own fit only
+    (a fit that raises forgets it). A fit at ``global_step`` 0 with nothing restored for it is a new run, whose
+    figures start afresh, also with a monitor object used before.
+    """
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+        self.restored = False
+
+    def end(self) -> None:
+        """The stage ended (``teardown``) or raised (``on_exception``): no stage runs, nothing restored is pending."""
+        self.stage = None
+        self.restored = False
+
+    def loaded(self, running: bool = False) -> None:
+        """``load_state_dict`` was called; ``running``: during training, so it belongs to this fit, not the next."""
+        self.restored = self.stage in (None, "fit") and not running
+
+    def new_run(self, trainer: pl.Trainer) -> bool:
+        """At ``on_train_start``: True when this fit is a new run; uses up the pending restore either way."""
+        restored, self.restored = self.restored, False
+        return not restored and trainer.global_step == 0

@@ -13,21 +13,20 @@ from typing_extensions import override
 from lightning_trainopt.callbacks._common import (
     BatchSizer,
     Clock,
+    FitRestore,
     StepEdge,
-    check_callable,
-    check_hardware,
-    check_log_every,
+    check_counting_args,
     check_number,
     check_whole,
     default_clock,
     find_callback,
     json_safe,
-    log_interval,
     log_metrics,
+    resolve_hardware,
     warn_off,
 )
 from lightning_trainopt.metrics.cost import CostReport, cost_report
-from lightning_trainopt.metrics.hardware import HardwareSpec, hardware_spec
+from lightning_trainopt.metrics.hardware import HardwareSpec
 from lightning_trainopt.metrics.throughput import TrainingWindow
 from lightning_trainopt.parallel.dims import ParallelDims
 
@@ -85,11 +84,8 @@ class CostMonitor(Callback):
         tokens_fn: Callable[[Any], Any] | None = None,
         clock: Clock | None = None,
     ) -> None:
-        check_hardware(f"{_KEY}.hardware", hardware)
+        check_counting_args(_KEY, hardware, log_every_n_steps, samples_fn, tokens_fn)
         check_number(f"{_KEY}.price_per_device_hour", price_per_device_hour, low=0.0)
-        check_log_every(f"{_KEY}.log_every_n_steps", log_every_n_steps)
-        check_callable(f"{_KEY}.samples_fn", samples_fn)
-        check_callable(f"{_KEY}.tokens_fn", tokens_fn)
         self.hardware = hardware
         self.price_per_device_hour = price_per_device_hour
         self.target_tokens = check_whole(f"{_KEY}.target_tokens", target_tokens, minimum=1)
@@ -113,8 +109,7 @@ class CostMonitor(Callback):
         self._sizer = BatchSizer(
             "CostMonitor", samples_fn, tokens_fn, "its per-token and per-sample figures are left out"
         )
-        self._stage: str | None = None
-        self._restored = False
+        self._restore = FitRestore()
         self._logged_step = -1
         self._steps_done = 0
         self._steps_total: int | None = None
@@ -124,11 +119,10 @@ class CostMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stage = stage
+        self._restore.stage = stage
         if stage != "fit":
             return
-        spec = self.hardware
-        self._spec = spec if isinstance(spec, HardwareSpec) else hardware_spec(spec or "auto")
+        self._spec = resolve_hardware(self.hardware)
         self._price = (
             self.price_per_device_hour if self.price_per_device_hour is not None else self._spec.price_per_device_hour
         )
@@ -141,26 +135,24 @@ class CostMonitor(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stage = None
+        self._restore.stage = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning skips teardown when a stage raises; the time already trained stays billed.
         self._close_run()
-        self._stage = None
-        self._restored = False
+        self._restore.end()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        restored, self._restored = self._restored, False
-        if not restored and trainer.global_step == 0:  # a new run: figures start afresh
+        if self._restore.new_run(trainer):  # figures start afresh
             self._hours_before, self._tokens_before, self._samples_before = 0.0, 0, 0
             self._sizer.warned = False
         dims = ParallelDims.from_trainer(trainer)
         self._devices, self._replicas = dims.world_size, dims.dp
         self._start_run(trainer.global_step)
         self._report = None
-        self._edge.reset(trainer)
+        self._edge.reset(trainer, self.log_every_n_steps)
         self._logged_step = -1
         self._steps_total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if self._steps_total is None:
@@ -240,12 +232,10 @@ class CostMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._edge.crossed(trainer):
-            return
-        step = trainer.global_step
-        self._steps_done = step
-        if step % log_interval(trainer, self.log_every_n_steps) == 0:
-            self._log(trainer, self.report(trainer))
+        if self._edge.crossed(trainer):
+            self._steps_done = trainer.global_step
+            if self._edge.closes_window(trainer):
+                self._log(trainer, self.report(trainer))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -291,9 +281,7 @@ class CostMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the figures of earlier runs (all devices, each run billed at its own world size)."""
         running = self._run.started
-        # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
-        # validate/test/predict restores start no fit, and a load while training is this fit's.
-        self._restored = self._stage in (None, "fit") and not running
+        self._restore.loaded(running)
         tokens, samples = state_dict["tokens"], state_dict["samples"]
         self._hours_before = float(state_dict["device_hours"])
         self._tokens_before = None if tokens is None else int(tokens)

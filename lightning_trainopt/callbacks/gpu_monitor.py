@@ -15,7 +15,6 @@ from lightning_trainopt.callbacks._common import (
     StepEdge,
     check_log_every,
     json_safe,
-    log_interval,
     log_metrics,
     warn_off,
 )
@@ -203,7 +202,7 @@ class GPUMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._edge.reset(trainer)
+        self._edge.reset(trainer, self.log_every_n_steps)
         if not self.enabled or not trainer.is_global_zero or self._reader is None:
             return
         self._sampler = _Sampler(self._reader, self.interval_s)
@@ -213,10 +212,7 @@ class GPUMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._edge.crossed(trainer):
-            return
-        step = trainer.global_step
-        if self._sampler is not None and step % log_interval(trainer, self.log_every_n_steps) == 0:
+        if self._edge.window_closed(trainer) and self._sampler is not None:
             self.flush(trainer)
 
     def flush(self, trainer: pl.Trainer) -> dict[str, float]:

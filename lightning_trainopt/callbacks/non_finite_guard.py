@@ -26,9 +26,24 @@ def grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return None
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+    # torch picks its one-kernel-per-list norm by itself on CUDA only; on CPU it is also faster than a norm per tensor
+    # (27 tensors of a 0.5M-parameter model: 280 vs 330 us). DTensor shards keep torch's choice.
+    first = grads[0]
+    foreach = True if first.device.type == "cpu" and type(first) is torch.Tensor else None
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=foreach)
     full = getattr(norm, "full_tensor", None)
     return full() if callable(full) else norm
+
+
+def _scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a 0-d tensor that is finite exactly when the loss is (a 0-d loss itself, no kernel).
+
+    A loss of several elements (``manual_backward`` with a gradient) is summed: any NaN or infinity makes the sum
+    non-finite; finite elements overflow it only beyond ~3e38, where the gradient norm overflows first anyway.
+    """
+    if loss.dim() == 0:
+        return loss
+    return loss.reshape(()) if loss.numel() == 1 else loss.sum()
 
 
 @dataclass(frozen=True)
@@ -113,8 +128,9 @@ class NonFiniteGuard(Callback):
     (more than ``max_overflow_streak`` in a row, or an overflow at a scale at or below ``min_loss_scale``). Every
     stop message names the step and, under fp16, the loss scale and the overflow streak.
 
-    It reads one scalar per optimizer step (the decision to skip must be taken on the host); that is its only sync,
-    plus reading the loss scale on steps that are not finite.
+    It reads the step's losses and gradient norm back in one transfer per optimizer step (the decision to skip must be
+    taken on the host); that is its only sync, plus reading the loss scale on steps that are not finite. Per
+    micro-batch it keeps a reference to the detached loss and launches nothing.
 
     Args:
         policy: ``skip`` or ``stop``.
@@ -150,7 +166,7 @@ class NonFiniteGuard(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.max_overflow_streak = max_overflow_streak
         self.min_loss_scale = float(min_loss_scale)
-        self._loss_ok: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
         self.consecutive = 0
         self.skipped = 0
         self.overflow_streak = 0
@@ -171,10 +187,10 @@ class NonFiniteGuard(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        # Kept on the device across micro-batches; read once at the optimizer step. Under fp16 this is the scaled
-        # loss (finite exactly when the loss is: fp32 times a finite power of two).
-        finite = torch.isfinite(loss.detach()).all()
-        self._loss_ok = finite if self._loss_ok is None else self._loss_ok & finite
+        # Kept on the device across micro-batches and read with the gradient norm at the optimizer step, so a
+        # micro-batch costs no kernel. Under fp16 this is the scaled loss (finite exactly when the loss is: fp32 times
+        # a finite power of two).
+        self._losses.append(loss.detach())
 
     @staticmethod
     def _scaler(trainer: pl.Trainer) -> Any | None:
@@ -185,17 +201,16 @@ class NonFiniteGuard(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         norm = grad_norm(params)
-        loss_ok, self._loss_ok = self._loss_ok, None
-        checks = [t for t in (loss_ok, None if norm is None else torch.isfinite(norm)) if t is not None]
-        if not checks:
+        losses, self._losses = self._losses, []
+        values = [_scalar(t) for t in losses]
+        if norm is not None:
+            values.append(norm.detach().to(values[0].device) if values else norm.detach())
+        if not values:
             return
-        values = torch.stack(
-            [c.to(torch.float32).reshape(()) for c in checks]
-            + ([norm.detach().float().reshape(()).to(checks[0].device)] if norm is not None else [])
-        )
-        host = values.tolist()  # the guard's one sync per optimizer step
-        loss_finite = loss_ok is None or host[0] == 1.0
-        grads_finite = norm is None or host[len(checks) - 1] == 1.0
+        # One stack (torch promotes the dtypes: a half loss becomes fp32, a float64 one stays float64) and one read.
+        host = torch.stack(values).tolist()  # the guard's one sync per optimizer step
+        loss_finite = all(math.isfinite(v) for v in host[: len(losses)])
+        grads_finite = norm is None or math.isfinite(host[-1])
         step = trainer.global_step
         if norm is not None:
             self.last_grad_norm = host[-1] if math.isfinite(host[-1]) else None

@@ -17,19 +17,18 @@ from lightning_trainopt.callbacks._common import (
     Clock,
     StepEdge,
     check_callable,
-    check_hardware,
-    check_log_every,
+    check_counting_args,
     check_number,
     default_clock,
     default_warmup,
     json_safe,
-    log_interval,
     log_metrics,
+    resolve_hardware,
 )
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.flops import SeqFlops, fit_seq_flops, transformer_flops
 from lightning_trainopt.metrics.fp8_flops import fp8_flops_share, fp8_linear_shapes
-from lightning_trainopt.metrics.hardware import HardwareSpec, compute_dtype_key, hardware_spec
+from lightning_trainopt.metrics.hardware import HardwareSpec, compute_dtype_key
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.metrics.throughput import BatchSize, ThroughputWindow, TrainingWindow, WindowCounts
 from lightning_trainopt.parallel.dims import ParallelDims
@@ -148,26 +147,18 @@ class SpeedMonitor(Callback):
         warmup_steps: int | None = None,
         clock: Clock | None = None,
     ) -> None:
-        check_log_every(f"{_KEY}.log_every_n_steps", log_every_n_steps)
-        check_hardware(f"{_KEY}.hardware", hardware)
+        check_counting_args(_KEY, hardware, log_every_n_steps, samples_fn, tokens_fn)
+        check_callable(f"{_KEY}.flops_per_batch_fn", flops_per_batch_fn)
         check_number(f"{_KEY}.peak_tflops", peak_tflops, low=0.0, low_open=True)
         check_number(f"{_KEY}.recompute_fraction", recompute_fraction, low=0.0, high=1.0)
         if warmup_steps is not None and (
             not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0
         ):
             raise ConfigError(f"{_KEY}.warmup_steps", warmup_steps, "use an integer >= 0, or null.")
-        for name, fn in (
-            ("samples_fn", samples_fn),
-            ("tokens_fn", tokens_fn),
-            ("flops_per_batch_fn", flops_per_batch_fn),
-        ):
-            check_callable(f"{_KEY}.{name}", fn)
         self.log_every_n_steps = log_every_n_steps
         self.hardware = hardware
         self.peak_tflops = peak_tflops
-        self.samples_fn = samples_fn
-        self.tokens_fn = tokens_fn
-        self.flops_per_batch_fn = flops_per_batch_fn
+        self.samples_fn, self.tokens_fn, self.flops_per_batch_fn = samples_fn, tokens_fn, flops_per_batch_fn
         self.recompute_fraction = recompute_fraction
         self.warmup_steps = warmup_steps
         self._warmup = 1 if warmup_steps is None else warmup_steps
@@ -205,8 +196,7 @@ class SpeedMonitor(Callback):
             return
         self._total = WindowCounts()  # a new fit is measured afresh; load_state_dict (after setup) may restore
         self._window.reset()
-        spec = self.hardware
-        self._spec = spec if isinstance(spec, HardwareSpec) else hardware_spec(spec or "auto")
+        self._spec = resolve_hardware(self.hardware)
         on_gpu = trainer.strategy.root_device.type == "cuda"
         self._dtype = compute_dtype_key(str(trainer.precision), on_gpu, torch.get_float32_matmul_precision())
         # FP8 runs are measured against the bf16 dense peak (Lightning's transformer-engine precision maps to fp8).
@@ -232,7 +222,7 @@ class SpeedMonitor(Callback):
         # The precision plugin converts the model before training starts: its FP8 layers are in place now.
         self._fp8_shapes = fp8_linear_shapes(pl_module)
         self._fp8_share = None
-        self._edge.reset(trainer)
+        self._edge.reset(trainer, self.log_every_n_steps)
         self._start_step = trainer.global_step
         self._dims = ParallelDims.from_trainer(trainer)
         self._new_fit()
@@ -359,7 +349,7 @@ class SpeedMonitor(Callback):
             self._window.start()
             return
         last = trainer.max_steps is not None and 0 < trainer.max_steps <= step
-        if last or step % log_interval(trainer, self.log_every_n_steps) == 0:
+        if last or self._edge.closes_window(trainer):
             self._close_window(trainer, pl_module)
 
     def _close_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

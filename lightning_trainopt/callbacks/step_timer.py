@@ -16,6 +16,7 @@ from lightning_trainopt._compat.torch_internals import is_compiled
 from lightning_trainopt.callbacks._comm_probe import CommProbe, attach_comm_probe
 from lightning_trainopt.callbacks._common import (
     Clock,
+    FitRestore,
     check_log_every,
     default_clock,
     default_warmup,
@@ -119,8 +120,7 @@ class StepTimer(Callback):
         self._probe: CommProbe | None = None
         self._probe_kind: str | None = None
         self._comm_note: str | None = None
-        self._stage: str | None = None
-        self._restored = False
+        self._restore = FitRestore()
 
     def _mark(self, name: str) -> None:
         if self._cuda:
@@ -142,7 +142,7 @@ class StepTimer(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stage = stage
+        self._restore.stage = stage
         if stage != "fit" or self._patched is not None:
             return
         strategy = trainer.strategy
@@ -208,11 +208,11 @@ class StepTimer(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning does not call Callback.teardown when fit raises (trainer/call.py), so clean up here too.
         self.teardown(trainer, pl_module, "fit")
-        self._restored = False  # a restore counts for its own fit only
+        self._restore.end()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stage = None
+        self._restore.stage = None
         if self._probe is not None:
             self._probe.detach()
             self._probe = None
@@ -227,8 +227,7 @@ class StepTimer(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        restored, self._restored = self._restored, False
-        if not restored and trainer.global_step == 0:  # a new run: its split starts afresh
+        if self._restore.new_run(trainer):  # its split starts afresh
             self._total = StepSplit()
             self._verdict = None
         self._cuda = pl_module.device.type == "cuda"
@@ -362,9 +361,7 @@ class StepTimer(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Counts for the fit about to start (Lightning restores after `setup("fit")`, or the user loads before fit);
-        # validate/test/predict restores start no fit.
-        self._restored = self._stage in (None, "fit")
+        self._restore.loaded()
         t = state_dict["total"]
         self._total = StepSplit(
             seconds=dict(t["seconds"]), wall=t["wall"], steps=t["steps"], comm_measured=t["comm_measured"]

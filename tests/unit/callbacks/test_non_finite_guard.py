@@ -225,3 +225,71 @@ def test_bad_arguments_are_refused_in_init(kwargs, key):
         NonFiniteGuard(**kwargs)
     assert err.value.key == f"callbacks.non_finite_guard.{key}"
     assert "is invalid: use" in str(err.value)
+
+
+class NaNMicroBatch(LitGPT):
+    """A NaN loss in one micro-batch (``batch_idx``) that is not the last of its optimizer step."""
+
+    def __init__(self, bad_batch):
+        super().__init__(TINY)
+        self.bad_batch = bad_batch
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == self.bad_batch else loss
+
+
+class _CountOps(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class _CountingGuard(NonFiniteGuard):
+    """Records the torch calls of each per-micro-batch hook and of each optimizer-step hook."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.micro_batch_ops, self.step_ops = [], []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        with _CountOps() as ops:
+            super().on_before_backward(trainer, pl_module, loss)
+        self.micro_batch_ops.append(ops.names)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        with _CountOps() as ops:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        self.step_ops.append(ops.names)
+
+
+def test_a_bad_micro_batch_is_caught_at_its_step_with_one_read_and_no_kernel_per_micro_batch():
+    guard = _CountingGuard(policy="skip", max_consecutive=3)
+    # Accumulation 3: micro-batch 4 is the second of step 1; the step's other two micro-batches are finite.
+    trainer = tiny_trainer([guard], max_steps=3, accumulate_grad_batches=3)
+    with pytest.warns(UserWarning, match="skipping non-finite loss at step 1"):
+        trainer.fit(NaNMicroBatch(bad_batch=4), tiny_data())
+    assert guard.skipped == 1
+    assert len(guard.micro_batch_ops) == 9
+    assert len(guard.step_ops) == 3
+    # Per micro-batch only a detach (no isfinite, no logical and: nothing queued on a device).
+    assert all(names == ["detach"] for names in guard.micro_batch_ops), guard.micro_batch_ops
+    # Per optimizer step exactly one read back to the host, of the three losses and the norm together.
+    assert all(names.count("tolist") == 1 for names in guard.step_ops), guard.step_ops
+    # The finiteness checks are made on the host, on the values read (no isfinite/all kernels on the device).
+    assert not {"isfinite", "all", "__and__", "logical_and"} & {n for names in guard.step_ops for n in names}
+
+
+def test_scalar_loss_keeps_finiteness_without_a_kernel_for_a_0d_loss():
+    from lightning_trainopt.callbacks.non_finite_guard import _scalar
+
+    loss = torch.tensor(2.5)
+    assert _scalar(loss) is loss
+    assert _scalar(torch.tensor([2.5])).shape == ()
+    assert _scalar(torch.tensor([1.0, 2.0])).item() == 3.0
+    assert not torch.isfinite(_scalar(torch.tensor([1.0, float("nan")])))
+    assert not torch.isfinite(_scalar(torch.tensor([float("inf"), float("-inf")])))
