@@ -41,7 +41,7 @@ LAUNCHER_PID_ENV = "TRAINOPT_LAUNCHER_PID"
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-LaunchKind = Literal["single", "lightning_child", "torchrun"]
+LaunchMode = Literal["single", "lightning_child", "torchrun"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Launch:
     """How this process was started.
 
     Attributes:
-        kind: ``single``, ``lightning_child`` or ``torchrun`` (see the module docstring).
+        mode: ``single``, ``lightning_child`` or ``torchrun`` (see the module docstring).
         rank: the global rank this process will have (``0`` for ``single``).
         local_rank: the rank on this node.
         world_size: every process of the job; ``None`` where Lightning has not decided it yet (``single``).
@@ -57,7 +57,7 @@ class Launch:
         run_id: an id every rank of the job shares (torchrun's rendezvous id), ``None`` when there is none.
     """
 
-    kind: LaunchKind
+    mode: LaunchMode
     rank: int
     local_rank: int
     world_size: int | None
@@ -67,7 +67,7 @@ class Launch:
     @property
     def external(self) -> bool:
         """A launcher outside Lightning started every rank; Lightning must start none."""
-        return self.kind == "torchrun"
+        return self.mode == "torchrun"
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
@@ -75,7 +75,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
     env = os.environ if env is None else env
     if env.get("TORCHELASTIC_RUN_ID") is not None:
         return Launch(
-            kind="torchrun",
+            mode="torchrun",
             rank=int(env.get("RANK") or 0),
             local_rank=int(env.get("LOCAL_RANK") or 0),
             world_size=int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE") else None,
@@ -91,7 +91,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
 
 def mark_launcher() -> None:
     """In a ``single`` process, publish its pid for the ranks Lightning will start (:func:`die_with_parent`)."""
-    if detect_launch().kind == "single":
+    if detect_launch().mode == "single":
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
 
 
@@ -106,12 +106,12 @@ def die_with_parent(launch: Launch) -> None:
     rank can be blocked in a collective that no signal handler returns from. Nothing is done for ``single``, and on
     systems other than Linux.
     """
-    if launch.kind == "single" or not sys.platform.startswith("linux"):
+    if launch.mode == "single" or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    expected = os.environ.get(LAUNCHER_PID_ENV) if launch.kind == "lightning_child" else None
+    expected = os.environ.get(LAUNCHER_PID_ENV) if launch.mode == "lightning_child" else None
     parent = os.getppid()
     if parent == 1 or (expected is not None and parent != int(expected)):
         print(f"error: the launcher of this rank (pid {expected or '?'}) has exited; not starting.", file=sys.stderr)

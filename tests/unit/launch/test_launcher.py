@@ -37,7 +37,7 @@ def test_launch_modes():
     assert detect_launch({}) == Launch("single", 0, 0, None, None, None)
     # Lightning's subprocess launcher sets LOCAL_RANK, NODE_RANK, WORLD_SIZE and MASTER_*, none of torchelastic's.
     child = detect_launch({"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"})
-    assert child.kind == "lightning_child"
+    assert child.mode == "lightning_child"
     assert not child.external
     torchrun = detect_launch(TORCHRUN)
     assert torchrun == Launch("torchrun", 1, 1, 2, 2, "abc")
@@ -53,7 +53,7 @@ def test_lightning_agrees_that_torchrun_started_the_processes(monkeypatch):
     assert TorchElasticEnvironment().creates_processes_externally
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert not TorchElasticEnvironment.detect()
-    assert detect_launch().kind == "lightning_child"
+    assert detect_launch().mode == "lightning_child"
 
 
 def test_torchrun_ranks_share_a_run_directory_and_one_record():
