@@ -230,9 +230,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     clock = RunClock()
     # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
     activations = _instantiate_named(cfg.get("activations"))
-    # The activation techniques are applied by the ordered model rewrite at the end of configure_model (before any
-    # strategy wraps or shards the model, so before every on_fit_start measurement); their callbacks only report.
-    install_app_rewrites(module, activations)
+    # The activation techniques and compile are applied by the ordered model rewrite at the end of configure_model
+    # (before any strategy wraps or shards the model, so before every on_fit_start measurement); the callbacks report.
+    install_app_rewrites(module, activations, compile_model=bool(cfg.get("compile", False)))
     callbacks = [
         clock,
         StrategyReport(),

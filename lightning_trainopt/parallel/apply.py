@@ -53,7 +53,7 @@ from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
 from lightning_trainopt.transforms.blocks import block_classes, own_class
 from lightning_trainopt.transforms.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing
-from lightning_trainopt.transforms.compile import compile_blocks
+from lightning_trainopt.transforms.compile import compile_model
 
 __all__ = [
     "STEPS",
@@ -115,32 +115,6 @@ class RewriteReport:
     checkpoint: CheckpointPlan | None = None
     compiled: list[str] = field(default_factory=list)
     sharded: int = 0
-
-
-def compile_model(model: nn.Module, **compile_kwargs: Any) -> list[str]:
-    """``torch.compile`` ``model`` in place, the one way the rewrite compiles: each repeated block where the model
-    has one (:func:`~lightning_trainopt.transforms.compile.compile_blocks`), else each parameter-holding child (a
-    ``ModuleList``'s modules one by one: a container has no forward of its own). Idempotent.
-
-    Returns:
-        the names of the modules compiled by this call.
-    """
-    if block_classes(model):
-        return compile_blocks(model, **compile_kwargs)
-
-    def units(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-        for name, child in module.named_children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                yield from units(child, f"{prefix}{name}.")
-            else:
-                yield f"{prefix}{name}", child
-
-    compiled = []
-    for name, child in units(model, ""):
-        if any(True for _ in child.parameters()) and getattr(child, "_compiled_call_impl", None) is None:
-            child.compile(**compile_kwargs)
-            compiled.append(name)
-    return compiled
 
 
 def with_saved_tensors(model: nn.Module, transform: SavedTensorsTransform) -> None:
