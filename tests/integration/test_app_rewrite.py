@@ -128,3 +128,29 @@ def test_train_app_int8_compresses_through_the_rewritten_training_step(tmp_path)
     assert metrics["status"] == "ok"
     # The callback installed no hook (report-only); its counters are the rewrite's transform's.
     assert metrics["activation_compression"]["compressed_storages"] > 0
+
+
+@pytest.mark.slow
+def test_a_head_loss_with_compile_under_fsdp2_trains_as_without_compile(tmp_path):
+    """compile leaves the head eager (blocks only), so the head loss runs inside FSDP2's unit: no longer refused."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.compose import REPO_ROOT
+
+    proc = subprocess.run(
+        [
+            sys.executable, "train.py", "-m", "trainer=ddp_sim", "+strategy=fsdp", "loss=chunked_ce",
+            "compile=false,true", *TINY, "data=synthetic", "callbacks=none", f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    runs = {}
+    for path in tmp_path.glob("*/metrics.json"):
+        overrides = (path.parent / ".hydra" / "overrides.yaml").read_text()
+        runs["compile=true" in overrides.lower()] = json.loads(path.read_text())
+    assert set(runs) == {False, True}, proc.stderr[-3000:]
+    assert all(m["status"] == "ok" and m["world_size"] == 2 for m in runs.values())
+    for key in ("train_loss", "val_loss"):
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-4), key
