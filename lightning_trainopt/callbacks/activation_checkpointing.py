@@ -30,6 +30,10 @@ class ActivationCheckpointing(Callback):
     wrapped or sharded it (DDP, DeepSpeed ZeRO-1/2/3, FSDP2). Only the instance's ``forward`` is replaced, so
     parameter names, state-dict keys and the strategy's hooks stay as they were; ``teardown`` restores the module.
 
+    Under ``train.py`` the app applies the policy itself, in the model rewrite's order
+    (:func:`~lightning_trainopt.parallel.apply.rewrite_at_configure_model`, before compile and sharding) and makes
+    this callback report-only (:meth:`report_only`): at ``on_fit_start`` it reads what was applied and patches nothing.
+
     Args:
         module_classes: class names to wrap (``["Block"]``, ``["LlamaDecoderLayer"]``).
         names: qualified submodule names (``fnmatch`` patterns) to wrap, instead of ``module_classes``.
@@ -68,6 +72,11 @@ class ActivationCheckpointing(Callback):
         )
         self.plan: CheckpointPlan | None = None
         self._applied_to: pl.LightningModule | None = None
+        self._report_only = False
+
+    def report_only(self) -> None:
+        """Patch nothing: the model rewrite applies :attr:`policy` (``train.py``); report what it applied."""
+        self._report_only = True
 
     @property
     def recomputed_fraction(self) -> float:
@@ -84,7 +93,18 @@ class ActivationCheckpointing(Callback):
         if self._applied_to is pl_module:
             return
         self._applied_to = pl_module
-        self.plan = apply_activation_checkpointing(pl_module, self.policy)
+        if self._report_only:
+            from lightning_trainopt.parallel.apply import rewrite_report
+
+            report = rewrite_report(pl_module)
+            if report is None or report.checkpoint is None:
+                raise RuntimeError(
+                    "ActivationCheckpointing is report-only but the model rewrite did not checkpoint this module: "
+                    "call rewrite_at_configure_model with this callback's policy, or drop report_only()."
+                )
+            self.plan = report.checkpoint
+        else:
+            self.plan = apply_activation_checkpointing(pl_module, self.policy)
         if self.plan.self_checkpointed:
             rank_zero_warn(
                 f"ActivationCheckpointing wraps nothing: {list(self.plan.self_checkpointed[:4])} already checkpoint "
@@ -106,7 +126,8 @@ class ActivationCheckpointing(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.plan is not None:
+        # Report-only: the rewrite owns the model's forward (a validate after fit finds it rewritten).
+        if self.plan is not None and not self._report_only:
             remove_activation_checkpointing(pl_module, self.plan.wrapped)
         self._applied_to = None
 

@@ -29,6 +29,12 @@ class _SavedTensorsTransformCallback(Callback):
     def __init__(self) -> None:
         self.enabled = True
         self._ctx: AbstractContextManager[Any] | None = None
+        self._report_only = False
+
+    def report_only(self) -> None:
+        """Install nothing: the model rewrite runs the training step under :attr:`transform` (``train.py``,
+        :func:`~lightning_trainopt.parallel.apply.with_saved_tensors`); :meth:`summary` reads its counters."""
+        self._report_only = True
 
     def make_transform(self) -> SavedTensorsTransform:
         raise NotImplementedError
@@ -44,7 +50,8 @@ class _SavedTensorsTransformCallback(Callback):
                 "both change how saved activations are stored and only one saved-tensors hook applies at a time.",
                 "use one of activations=offload or activations=int8.",
             )
-        self.transform = self.make_transform()
+        if not self._report_only:  # report-only: the rewrite holds this transform object; keep its counters
+            self.transform = self.make_transform()
 
     def _exit(self) -> None:
         if self._ctx is not None:
@@ -55,7 +62,7 @@ class _SavedTensorsTransformCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self.enabled:
+        if not self.enabled or self._report_only:
             return
         self._exit()
         self._ctx = transform_saved_tensors(self.transform)

@@ -15,7 +15,6 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_trainopt._compat.torch_internals import has_compiled_call
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import HFModelConfig, LitCausalLM, LitGPT
 from lightning_trainopt.models.config import GPTConfig
@@ -92,70 +91,11 @@ def _with_app_optimizers(module: pl.LightningModule, cfg: DictConfig) -> pl.Ligh
     return module
 
 
-def _compile_children(parent: torch.nn.Module) -> None:
-    """``nn.Module.compile`` each parameter-holding child of ``parent`` (the modules of a ``ModuleList`` child)."""
-
-    def units(module: torch.nn.Module) -> Any:
-        for child in module.children():
-            # A container has no forward of its own to compile: its modules are called one by one.
-            if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-                yield from units(child)
-            else:
-                yield child
-
-    for child in units(parent):
-        if any(True for _ in child.parameters()) and not has_compiled_call(child):
-            child.compile()
-
-
-def _compiled_children(module: pl.LightningModule) -> pl.LightningModule:
-    """``torch.compile`` each parameter-holding child of a user's module (the modules of a ``ModuleList`` child), in
-    place, once its model is built.
-
-    In place (``nn.Module.compile``), so parameter names, the class and ``self.log`` in the LightningModule's hooks
-    stay as they were; after ``configure_model``, so a model built there is compiled too.
-    """
-    own = module.configure_model
-
-    def configure_then_compile(self: pl.LightningModule) -> None:
-        own()
-        _compile_children(self)
-
-    module.configure_model = types.MethodType(configure_then_compile, module)  # type: ignore[method-assign]
-    return module
-
-
-def _regionally_compiled(module: pl.LightningModule) -> pl.LightningModule:
-    """``torch.compile`` each repeated block in place (:func:`~lightning_trainopt.transforms.compile_blocks`) once the
-    model is built; a model without a repeated block has its children compiled as :func:`_compiled_children` does.
-
-    For the FP8 presets: their linear layers add casts, amax reductions and scaled GEMMs to the graph, so compiling
-    the whole model makes the first step take minutes, while one block class is traced once and reused.
-    """
-    from lightning_trainopt.transforms import block_classes, compile_blocks
-
-    own = module.configure_model
-
-    def configure_then_compile(self: pl.LightningModule) -> None:
-        own()
-        if block_classes(self):
-            compile_blocks(self)
-        else:
-            _compile_children(self)
-
-    module.configure_model = types.MethodType(configure_then_compile, module)  # type: ignore[method-assign]
-    return module
-
-
-def _is_fp8(cfg: DictConfig) -> bool:
-    """The precision preset converts layers to FP8 (``precision=fp8``, ``fp8_te``: a node with a ``backend``)."""
-    precision = cfg.get("precision")
-    return bool(precision is not None and precision.get("backend"))
-
-
 def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
-    """The LightningModule ``cfg.model`` describes, with the ``optimizer``/``scheduler`` partials and ``compile``
-    (block by block under an FP8 preset: :func:`_regionally_compiled`).
+    """The LightningModule ``cfg.model`` describes, with the ``optimizer``/``scheduler`` partials, uncompiled.
+
+    ``compile=true`` is applied by ``train.py``'s model rewrite (:mod:`lightning_trainopt.config.rewrite`, step 4 of
+    :func:`~lightning_trainopt.parallel.apply.apply_rewrites`), not here.
 
     Our GPT presets give :class:`~lightning_trainopt.models.LitGPT`, ``model=hf`` a
     :class:`~lightning_trainopt.models.LitCausalLM`; ``model=module`` builds the user's class with the node's other
@@ -170,9 +110,6 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
             LightningModule).
     """
     kind = model_kind(cfg.model)
-    compile_model = bool(cfg.get("compile", False))
-    # FP8 models compile block by block (regional), the others as before.
-    regional = compile_model and _is_fp8(cfg)
     loss = head_loss(cfg)
     if kind == "module":
         if loss is not None:
@@ -184,22 +121,15 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
             )
         user_module_class(str(cfg.model._target_))
         module = instantiate(cfg.model)
-        module = _with_app_optimizers(module, cfg)
-        if regional:
-            return _regionally_compiled(module)
-        return _compiled_children(module) if compile_model else module
+        return _with_app_optimizers(module, cfg)
     optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     spec = instantiate(cfg.model)
-    whole = compile_model and not regional
-    ours: pl.LightningModule
     if kind == "hf":
         assert isinstance(spec, HFModelConfig)
-        ours = LitCausalLM(spec, optimizer=optimizer, scheduler=scheduler, compile_model=whole, loss=loss)
-    else:
-        assert isinstance(spec, GPTConfig)
-        ours = LitGPT(spec, optimizer=optimizer, scheduler=scheduler, compile_model=whole, loss=loss)
-    return _regionally_compiled(ours) if regional else ours
+        return LitCausalLM(spec, optimizer=optimizer, scheduler=scheduler, loss=loss)
+    assert isinstance(spec, GPTConfig)
+    return LitGPT(spec, optimizer=optimizer, scheduler=scheduler, loss=loss)
 
 
 def head_loss(cfg: DictConfig) -> Any:

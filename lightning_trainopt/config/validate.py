@@ -13,7 +13,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from lightning_trainopt.config.keys import check_config_keys
 from lightning_trainopt.config.model_factory import model_kind, user_module_class
-from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.optim.schedules import check_warmup_cosine
 
 __all__ = ["APP_TRAINER_KEYS", "resolve_accelerator", "validate_config"]
@@ -334,25 +334,6 @@ def _check_hf(data: DictConfig, model: DictConfig, accelerator: str, strategy: D
     check_vocab(int(hf_config.vocab_size), _text_vocab(data), model_key="model.overrides.vocab_size")
 
 
-def _check_head_loss_with_compile(cfg: DictConfig) -> None:
-    """A head loss (``loss=chunked_ce|liger``) with ``compile=true`` runs after the compiled model, where FSDP2 has
-    resharded the head's weight: refused under FSDP2."""
-    loss, strategy = cfg.get("loss"), cfg.get("strategy")
-    if not loss or "_target_" not in loss or not cfg.get("compile") or strategy is None:
-        return
-    from lightning_trainopt.config.strategy import strategy_spec
-
-    spec = strategy_spec(strategy)
-    # FSDP frees each unit's gathered weights after its forward; ZeRO-3 re-gathers on access through its hooks.
-    if spec.shards_each_param:
-        raise IncompatibleConfigError(
-            {"loss": str(loss["_target_"]).rsplit(".", 1)[-1], "compile": True, "strategy": spec.name},
-            "with compile=true the head loss is applied after the compiled model returns, and FSDP2 has resharded "
-            "the output head's weight by then.",
-            "use compile=false with this loss under FSDP2, or loss=standard, or a DeepSpeed preset.",
-        )
-
-
 def _check_hardware(hardware: DictConfig) -> None:
     price = hardware.get("price_per_device_hour")
     if price is not None and not (_is_number(price) and price >= 0):
@@ -427,7 +408,6 @@ def validate_config(cfg: DictConfig) -> None:
         _check_hf(cfg.data, cfg.model, accelerator, cfg.get("strategy"))
     if cfg.get("hardware"):
         _check_hardware(cfg.hardware)
-    _check_head_loss_with_compile(cfg)
 
     if cfg.precision.trainer_precision.startswith("16") and accelerator == "cpu":
         raise ConfigError(

@@ -31,6 +31,7 @@ from lightning_trainopt.config.model_factory import (
     model_name,
     model_vocab_size,
 )
+from lightning_trainopt.config.rewrite import install_app_rewrites
 from lightning_trainopt.config.run_spec import run_spec
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import CheckpointWriteError, ConfigError
@@ -273,14 +274,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     name = model_name(cfg, module)
     clock = RunClock()
     # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
-    # The activation techniques come before the other callbacks: hooks run in list order, so checkpointing is
-    # applied (on_fit_start) before a MicroBatchFinder or a MemoryBreakdown measures activation memory.
+    activations = _instantiate_named(cfg.get("activations"))
+    # The activation techniques and compile are applied by the ordered model rewrite at the end of configure_model
+    # (before any strategy wraps or shards the model, so before every on_fit_start measurement); the callbacks report.
+    install_app_rewrites(module, activations, compile_model=bool(cfg.get("compile", False)))
     callbacks = [
         clock,
         StrategyReport(),
         # What an FP8 or keep_fp32 preset did to the model (metrics.json's precision_layers); nothing otherwise.
         PrecisionReport(),
-        *_instantiate_named(cfg.get("activations")),
+        *activations,
         *_instantiate_named(cfg.get("callbacks")),
     ]
     loggers = _instantiate_named(cfg.get("logger"))

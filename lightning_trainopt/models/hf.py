@@ -17,6 +17,7 @@ from lightning_trainopt.models.hf_config import HFModelConfig, import_transforme
 from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
 from lightning_trainopt.models.optimization import OptimizerFactory
 from lightning_trainopt.transforms.chunked_loss import head_returns_loss
+from lightning_trainopt.transforms.compile import compile_model
 
 __all__ = ["LitCausalLM"]
 
@@ -108,7 +109,9 @@ class LitCausalLM(LitLanguageModel):
         model: where the model comes from (an :class:`HFModelConfig` or its fields as a dict).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
-        compile_model: ``torch.compile`` the Hugging Face model (in place).
+        compile_model: ``torch.compile`` each decoder layer in place
+            (:func:`~lightning_trainopt.transforms.compile.compile_model`; ``train.py`` compiles through its model
+            rewrite instead and leaves this ``False``).
 
     Example::
 
@@ -167,7 +170,8 @@ class LitCausalLM(LitLanguageModel):
             model._trainopt_initialized = True
         model.config.use_cache = False
         if self.compile_model:
-            model.compile()
+            # In place, block by block (the head stays eager): the one way this package compiles.
+            compile_model(model)
         self.model = model
 
     @override
@@ -186,15 +190,10 @@ class LitCausalLM(LitLanguageModel):
         assert model is not None
         assert self.head_loss is not None
         head = model.get_output_embeddings()
-        if not self.compile_model:
-            # The model's forward computes the loss where it would compute the logits (see head_returns_loss): inside
-            # the head's call and inside the FSDP2 unit that holds it.
-            with head_returns_loss(head, self.head_loss, targets, shift):
-                return model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
-        # Compiled in place, the forward's graph holds the head: run the backbone and the head loss after it.
-        out = model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return self.head_loss(head, hidden[:, :-1] if shift else hidden, targets)
+        # The model's forward computes the loss where it would compute the logits (see head_returns_loss): inside the
+        # head's call and inside the FSDP2 unit that holds it (compile leaves the head eager: compile_model).
+        with head_returns_loss(head, self.head_loss, targets, shift):
+            return model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
     @override
     def batch_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | int]:

@@ -24,6 +24,7 @@ from lightning_trainopt.optim.schedules import (
 )
 from lightning_trainopt.transforms.attention import document_ids
 from lightning_trainopt.transforms.chunked_loss import head_returns_loss
+from lightning_trainopt.transforms.compile import compile_model
 
 __all__ = ["LitGPT", "warmup_cosine"]
 
@@ -61,7 +62,9 @@ class LitGPT(LitLanguageModel):
         model: the model's shape (a :class:`GPTConfig` or its fields as a dict).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial); default AdamW(lr=3e-4).
         scheduler: a factory ``(optimizer, total_steps=...) -> LRScheduler`` (a Hydra partial) or ``None``.
-        compile_model: ``torch.compile`` the inner model (never the LightningModule: ``self.log`` cannot be traced).
+        compile_model: ``torch.compile`` each block of the inner model in place
+            (:func:`~lightning_trainopt.transforms.compile.compile_model`; ``train.py`` compiles through its model
+            rewrite instead and leaves this ``False``).
         loss: the head + cross-entropy callable of ``conf/loss`` (``None``: the logits and ``F.cross_entropy``).
 
     Example::
@@ -88,7 +91,10 @@ class LitGPT(LitLanguageModel):
             return
         with self.build_dtype():
             model = GPT(self.config)
-        self.model = cast(torch.nn.Module, torch.compile(model)) if self.compile_model else model
+        if self.compile_model:
+            # In place, block by block: the one way this package compiles (the app's rewrite does the same).
+            compile_model(model)
+        self.model = model
 
     @property
     def gpt(self) -> GPT:
@@ -112,10 +118,6 @@ class LitGPT(LitLanguageModel):
     def batch_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         x, y = batch
         doc = None if self.document_eos is None else document_ids(x, self.document_eos)
-        if self.head_loss is not None and self.compile_model:
-            # The compiled graph holds the head's forward: apply the head loss to the hidden states it returns.
-            hidden = self(x, doc_ids=doc, return_hidden=True)
-            return self.head_loss(self.gpt.lm_head, hidden, y), y.numel()
         if self.head_loss is not None:
             # The model's forward computes the loss where it would compute the logits (see head_returns_loss).
             with head_returns_loss(self.gpt.lm_head, self.head_loss, y):

@@ -17,6 +17,21 @@
    above produced, and FSDP2's per-unit hooks then wrap the compiled, checkpointed blocks. DeepSpeed is a hand-off:
    its engine wraps the model after this function returns.
 
+**Where the app calls it** (``train.py``): from the LightningModule's ``configure_model`` hook
+(:func:`rewrite_at_configure_model`), for every strategy (single device, DDP, DeepSpeed ZeRO-1/2/3, FSDP2). Lightning
+calls that hook once the module is attached and the strategy's init context is entered (meta device under FSDP2,
+``zero.Init`` under ZeRO-3), and before any strategy wraps the model (DDP, the DeepSpeed engine) or shards it
+(``TrainOptFSDPStrategy.setup`` runs step 5 after it). The alternatives were weighed: the precision plugin's
+``convert_module`` is called by every strategy at the right time, but the app has a plugin of its own only for the FP8
+and ``keep_fp32`` presets (Lightning picks the others); each strategy's ``setup`` would be five places (and
+Lightning's own single-device and DDP strategies would need subclasses). ``configure_model`` is one hook that every
+strategy calls, on any LightningModule (a user's module without one gets the base no-op, wrapped). The FP8/``keep_fp32``
+conversion runs there first through the precision plugin (which keeps the report ``PrecisionReport`` reads), except
+under ZeRO-3, where converting inside ``zero.Init`` would partition the new layers twice: there it stays in Lightning's
+``convert_module`` call right after the hook (a layer swap inside a block is seen by a checkpointed or compiled block,
+which looks its children up when it runs). The activation callbacks of ``conf/activations`` are then report-only: they
+read :func:`rewrite_report` at ``on_fit_start`` and patch nothing.
+
 A new transform goes where its inputs are final and its outputs are what the later steps expect: something that
 swaps modules goes in step 1, something that wraps a block's ``forward`` in step 3.
 """
@@ -32,14 +47,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_trainopt._compat.torch_internals import has_compiled_call
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
 from lightning_trainopt.transforms.blocks import block_classes, own_class
 from lightning_trainopt.transforms.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing
-from lightning_trainopt.transforms.compile import compile_blocks
+from lightning_trainopt.transforms.compile import compile_model
 
 __all__ = [
     "STEPS",
@@ -48,6 +62,8 @@ __all__ = [
     "apply_fully_shard",
     "apply_rewrites",
     "compile_model",
+    "rewrite_at_configure_model",
+    "rewrite_report",
     "with_saved_tensors",
 ]
 
@@ -55,6 +71,7 @@ __all__ = [
 STEPS = ("convert", "tensor_parallel", "activations", "compile", "shard")
 
 _SAVED_TENSORS_FORWARD = "_trainopt_saved_tensors_forward"
+_REPORT = "_trainopt_rewrite_report"
 
 
 @dataclass(frozen=True)
@@ -100,41 +117,20 @@ class RewriteReport:
     sharded: int = 0
 
 
-def compile_model(model: nn.Module, **compile_kwargs: Any) -> list[str]:
-    """``torch.compile`` ``model`` in place, the one way the rewrite compiles: each repeated block where the model
-    has one (:func:`~lightning_trainopt.transforms.compile.compile_blocks`), else each parameter-holding child (a
-    ``ModuleList``'s modules one by one: a container has no forward of its own). Idempotent.
-
-    Returns:
-        the names of the modules compiled by this call.
-    """
-    if block_classes(model):
-        return compile_blocks(model, **compile_kwargs)
-
-    def units(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-        for name, child in module.named_children():
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                yield from units(child, f"{prefix}{name}.")
-            else:
-                yield f"{prefix}{name}", child
-
-    compiled = []
-    for name, child in units(model, ""):
-        if any(True for _ in child.parameters()) and not has_compiled_call(child):
-            child.compile(**compile_kwargs)
-            compiled.append(name)
-    return compiled
-
-
 def with_saved_tensors(model: nn.Module, transform: SavedTensorsTransform) -> None:
     """Run ``model``'s forward under ``transform`` (activation offload or int8), on the instance. Idempotent.
+
+    A LightningModule's ``training_step`` is wrapped rather than its ``forward``: a step may call its inner model
+    directly, and every strategy (DDP's and DeepSpeed's wrappers too) calls the instance's ``training_step``.
+    Evaluation steps run without grad and save nothing, so they need no transform.
 
     The unpack hook is stored with each saved tensor when it is packed, so the transform only needs to be active
     while the forward saves them; backward unpacks them wherever it runs.
     """
     if _SAVED_TENSORS_FORWARD in model.__dict__:
         return
-    own = model.forward
+    method = "training_step" if callable(getattr(model, "training_step", None)) else "forward"
+    own = getattr(model, method)
     model.__dict__[_SAVED_TENSORS_FORWARD] = own
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -142,7 +138,7 @@ def with_saved_tensors(model: nn.Module, transform: SavedTensorsTransform) -> No
         with context:
             return own(*args, **kwargs)
 
-    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
+    setattr(model, method, types.MethodType(forward, model))
 
 
 def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None) -> RewriteReport:
@@ -175,6 +171,58 @@ def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None) -> Rew
         report.sharded = _fully_shard(model, plan, mesh)
         report.steps.append("shard")
     return report
+
+
+def rewrite_report(module: nn.Module) -> RewriteReport | None:
+    """What :func:`rewrite_at_configure_model` applied to ``module``, ``None`` before it ran (or without it)."""
+    report = module.__dict__.get(_REPORT)
+    return report if isinstance(report, RewriteReport) else None
+
+
+def rewrite_at_configure_model(module: Any, plan: RewritePlan) -> None:
+    """Apply ``plan`` (steps 1-4; ``plan.shard`` must be ``none``) to the LightningModule ``module`` at the end of its
+    ``configure_model``, on the instance (see the module docstring for why this hook).
+
+    Once per module: Lightning calls ``configure_model`` again for each ``validate``/``test`` after ``fit``, and the
+    model is already rewritten then. The report is kept on the module (:func:`rewrite_report`).
+
+    Raises:
+        ConfigError: ``plan.shard`` is not ``none`` (sharding is the strategy's step 5).
+    """
+    if plan.shard != "none":
+        raise ConfigError("plan.shard", plan.shard, "sharding is the strategy's step; give shard='none' here.")
+    own = module.configure_model
+
+    def configure_model(self: Any) -> None:
+        own()
+        if rewrite_report(self) is not None:
+            return
+        report = RewriteReport()
+        converted = _convert_by_plugin(self)
+        if converted is not None:
+            report.conversion = converted
+            report.steps.append("convert")
+        applied = apply_rewrites(self, plan)
+        applied.conversion = applied.conversion or report.conversion
+        applied.steps[:0] = report.steps
+        self.__dict__[_REPORT] = applied
+
+    module.configure_model = types.MethodType(configure_model, module)
+
+
+def _convert_by_plugin(module: Any) -> ConversionReport | None:
+    """Step 1 through the strategy's precision plugin, when it converts (FP8, ``keep_fp32``) and not under ZeRO-3."""
+    from lightning_trainopt.precision.transform_plugins import ModelTransforms
+
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return None
+    strategy = trainer.strategy
+    plugin = strategy.precision_plugin
+    if not isinstance(plugin, ModelTransforms) or getattr(strategy, "zero_stage_3", False):
+        return None
+    plugin.transform(module)
+    return plugin.report
 
 
 def _tensor_parallel(degree: int) -> None:

@@ -2,8 +2,9 @@
 
 Rows are the techniques :func:`~lightning_trainopt.parallel.apply.apply_rewrites` applies (and the head loss, which
 runs inside the model's head call); columns are strategy families. A cell is :data:`OK` or a :class:`Refusal` with
-the reason and what to use instead. Combinations of more than one technique with a strategy (e.g. a head loss with
-``compile=true`` under FSDP2) are not pairs and stay with their own checks in ``config/validate.py``.
+the reason and what to use instead. Combinations of more than one technique with a strategy are not pairs and would
+stay with their own checks in ``config/validate.py`` (none is refused today: a head loss with ``compile=true`` runs
+under FSDP2, since compile leaves the head eager).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from lightning_trainopt.transforms.checkpointing import (
     select_modules,
     self_checkpointing_modules,
 )
-from lightning_trainopt.transforms.compile import compile_blocks
+from lightning_trainopt.transforms.compile import compile_blocks, compile_model
 from lightning_trainopt.transforms.compression import (
     Int8Compressor,
     QuantizedTensor,
@@ -30,6 +30,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "block_classes",
     "compile_blocks",
+    "compile_model",
     "dequantize_blockwise",
     "find_block_list",
     "gradient_relative_error",

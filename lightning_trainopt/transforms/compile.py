@@ -9,16 +9,16 @@ time with regional compilation" recipe and torchtitan (``apply_compile``: per ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import nn
 
-from lightning_trainopt._compat.torch_internals import is_compiled
+from lightning_trainopt._compat.torch_internals import has_compiled_call, is_compiled
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.transforms.blocks import block_classes, own_class
 
-__all__ = ["compile_blocks"]
+__all__ = ["compile_blocks", "compile_model"]
 
 
 def compile_blocks(model: nn.Module, classes: Sequence[str] | None = None, **compile_kwargs: Any) -> list[str]:
@@ -54,5 +54,34 @@ def compile_blocks(model: nn.Module, classes: Sequence[str] | None = None, **com
     for name, module in found:
         if not is_compiled(module):
             module.compile(**compile_kwargs)
+            compiled.append(name)
+    return compiled
+
+
+def compile_model(model: nn.Module, **compile_kwargs: Any) -> list[str]:
+    """``torch.compile`` ``model`` in place, the one way this package compiles (the model rewrite's step 4,
+    ``LitGPT``/``LitCausalLM``'s ``compile_model``): each repeated block where the model has one
+    (:func:`compile_blocks`), else each parameter-holding child (a ``ModuleList``'s modules one by one: a container
+    has no forward of its own). Never the LightningModule itself (``self.log`` cannot be traced), and never the output
+    head of a model with blocks, so a head loss (``head_returns_loss``) runs eagerly inside the model's forward.
+    Idempotent.
+
+    Returns:
+        the names of the modules compiled by this call.
+    """
+    if block_classes(model):
+        return compile_blocks(model, **compile_kwargs)
+
+    def units(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        for name, child in module.named_children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                yield from units(child, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", child
+
+    compiled = []
+    for name, child in units(model, ""):
+        if any(True for _ in child.parameters()) and not has_compiled_call(child):
+            child.compile(**compile_kwargs)
             compiled.append(name)
     return compiled

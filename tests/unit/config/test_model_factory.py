@@ -17,6 +17,7 @@ from lightning_trainopt.config.model_factory import (
     model_name,
     model_vocab_size,
 )
+from lightning_trainopt.config.rewrite import install_app_rewrites
 from lightning_trainopt.config.validate import validate_config
 from lightning_trainopt.exceptions import ConfigError, ConfigKeysError
 from lightning_trainopt.models import LitCausalLM, LitGPT
@@ -167,13 +168,16 @@ def test_hf_model_with_synthetic_data_of_its_vocabulary_passes(tmp_path):
         validate_config(compose_config([*base, "data.vocab_size=1024"], tmp_path))
 
 
-def test_compile_compiles_a_user_module_s_children_in_place(tmp_path):
+def test_compile_compiles_a_user_module_s_blocks_in_place(tmp_path):
     module = build_lightning_module(compose_config([*MODULE, "compile=true"], tmp_path))
     names = [name for name, _ in module.named_parameters()]
+    # As train.py does it: compile=true is the model rewrite's step at the end of configure_model.
+    install_app_rewrites(module, [], compile_model=True)
     module.configure_model()
-    # Each parameter-holding child is compiled in place (a ModuleList's blocks one by one); names and class are kept.
+    # Its repeated block is compiled in place, one block at a time (a module without one: each parameter-holding
+    # child); names and class are kept.
     compiled = [name for name, child in module.named_modules() if getattr(child, "_compiled_call_impl", None)]
-    assert compiled == ["embed", "blocks.0", "blocks.1", "head"]
+    assert compiled == ["blocks.0", "blocks.1"]
     assert type(module) is UserLM
     assert [name for name, _ in module.named_parameters()] == names
 
