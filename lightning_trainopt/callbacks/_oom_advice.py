@@ -27,7 +27,7 @@ def oom_advice(
         n_layers: transformer blocks (for the checkpointing estimate).
         micro_batch: current micro-batch per device.
         accumulate: current ``accumulate_grad_batches``.
-        world_size: data-parallel ranks (for the ZeRO estimate).
+        world_size: data-parallel replicas (``ParallelDims.dp``, for the ZeRO estimate).
     """
     b = {k: int(v or 0) for k, v in breakdown.items()}
     peak = b.get("peak") or sum(b.get(k, 0) for k in ("params", "grads", "optimizer_states", "activations", "other"))

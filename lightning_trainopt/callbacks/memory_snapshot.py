@@ -16,6 +16,7 @@ from lightning_trainopt._compat import torch_internals as private
 from lightning_trainopt.callbacks._common import find_callback, json_safe, warn_off
 from lightning_trainopt.callbacks._oom_advice import oom_advice
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.parallel.dims import ParallelDims
 
 __all__ = ["MemorySnapshot"]
 
@@ -179,7 +180,7 @@ class MemorySnapshot(Callback):
             n_layers=getattr(cfg, "n_layers", None),
             micro_batch=getattr(loader, "batch_size", None),
             accumulate=trainer.accumulate_grad_batches,
-            world_size=trainer.world_size,
+            world_size=ParallelDims.from_trainer(trainer).dp,  # ZeRO shards over the replicas, not every rank
         )
         return {
             "breakdown": breakdown,
