@@ -82,6 +82,16 @@ class ModelTransforms:
         with torch.inference_mode(False), torch.no_grad():
             yield
 
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """The preset's model changes, then the Lightning plugin's own conversion (this mixin is first in the MRO)."""
+        self.transform(module)
+        return super().convert_module(module)  # type: ignore[misc,no-any-return]
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with super().forward_context(), self._fp8_region():  # type: ignore[misc]
+            yield
+
     @contextmanager
     def val_step_context(self) -> Generator[None, None, None]:
         forward_context = cast(Any, self).forward_context  # the plugin class's, after this mixin in the MRO
@@ -128,17 +138,6 @@ class TransformMixedPrecision(ModelTransforms, MixedPrecision):
         self._init_transforms(spec, device, fsdp)
 
     @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        self.transform(module)
-        return super().convert_module(module)
-
-    @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        with super().forward_context(), self._fp8_region():
-            yield
-
-    @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
@@ -166,14 +165,3 @@ class TransformDeepSpeedPrecision(ModelTransforms, DeepSpeedPrecision):
     def __init__(self, spec: PrecisionSpec, device: str) -> None:
         super().__init__(spec.trainer_precision)  # type: ignore[arg-type]
         self._init_transforms(spec, device, fsdp=False)
-
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        self.transform(module)
-        return super().convert_module(module)
-
-    @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        with super().forward_context(), self._fp8_region():
-            yield
