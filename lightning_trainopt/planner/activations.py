@@ -48,6 +48,7 @@ __all__ = [
     "compressed_bytes",
     "estimate_transformer_activations",
     "loss_transient",
+    "pinned_rounding_term",
     "placed_bytes",
 ]
 
@@ -96,6 +97,23 @@ def compressed_bytes(nbytes_per_elem: int, numel: int, policy: ActivationPolicy)
         return nbytes_per_elem * numel
     blocks = math.ceil(numel / policy.compress_block)
     return blocks * policy.compress_block + 4 * blocks  # int8 codes padded to whole blocks + fp32 scales
+
+
+def pinned_rounding_term(rounded: int, of: str) -> Term:
+    """The host bytes torch's pinned allocator adds by rounding each offloaded block up to a power of two.
+
+    Args:
+        rounded: the bytes added over all offloaded blocks.
+        of: what was offloaded, for the formula (``tensors`` analytically, ``storages`` when measured).
+    """
+    return Term(
+        "other",
+        "cpu",
+        "pinned blocks rounded up to powers of two (CachingHostAllocator)",
+        rounded,
+        f"sum over offloaded {of} of 2^ceil(log2 bytes) - bytes",
+        phase="backward",
+    )
 
 
 def placed_bytes(tensors: list[tuple[int, int]], policy: ActivationPolicy) -> tuple[int, int, int]:
@@ -220,16 +238,7 @@ def estimate_transformer_activations(
         terms.append(Term("activations", "cpu", label, count * moved, formula))
         rounded += count * pad
     if rounded:
-        terms.append(
-            Term(
-                "other",
-                "cpu",
-                "pinned blocks rounded up to powers of two (CachingHostAllocator)",
-                rounded,
-                "sum over offloaded tensors of 2^ceil(log2 bytes) - bytes",
-                phase="backward",
-            )
-        )
+        terms.append(pinned_rounding_term(rounded, "tensors"))
     if n_ckpt:
         # Backward re-runs one checkpointed block and holds its activations while its gradient is computed.
         terms.append(

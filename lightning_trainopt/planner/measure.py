@@ -21,7 +21,12 @@ from torch import nn
 from lightning_trainopt._compat.torch_internals import builtin_linear
 from lightning_trainopt.metrics.flops import meta_copy
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
-from lightning_trainopt.planner.activations import ActivationPolicy, compressed_bytes, placed_bytes
+from lightning_trainopt.planner.activations import (
+    ActivationPolicy,
+    compressed_bytes,
+    pinned_rounding_term,
+    placed_bytes,
+)
 from lightning_trainopt.planner.terms import MemoryEstimate, Term
 
 __all__ = [
@@ -227,16 +232,7 @@ def measured_activation_terms(
         terms.append(Term("activations", "cpu", label, moved, formula, phase="backward"))
         rounded += pad
     if rounded:
-        terms.append(
-            Term(
-                "other",
-                "cpu",
-                "pinned blocks rounded up to powers of two (CachingHostAllocator)",
-                rounded,
-                "sum over offloaded storages of 2^ceil(log2 bytes) - bytes",
-                phase="backward",
-            )
-        )
+        terms.append(pinned_rounding_term(rounded, "storages"))
     if recomputed_block_bytes:
         terms.append(
             Term(
