@@ -13,6 +13,21 @@ from lightning_trainopt.launch.cli import CONFIG_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+#: Overrides of a seconds-long train.py run for subprocess tests: a 2-layer model on synthetic tokens, no callbacks.
+SMALL_RUN = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=2",
+    "model.ffn_hidden=128",
+    "data.seq_len=32",
+    "data.batch_size=4",
+    "data=synthetic",
+    "trainer.limit_val_batches=2",
+    "scheduler.warmup_steps=2",
+    "trainer.enable_progress_bar=false",
+    "callbacks=none",
+]
+
 # A model and run small enough for a fit to take seconds on one CPU core.
 TINY = (
     "model.n_layers=2",

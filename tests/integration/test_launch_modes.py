@@ -13,23 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.compose import REPO_ROOT
+from tests.helpers.compose import REPO_ROOT, SMALL_RUN
 from tests.helpers.env import child_env
 
-SMALL = [
-    "trainer=ddp_sim",
-    "model.n_layers=2",
-    "model.d_model=64",
-    "model.n_heads=2",
-    "model.ffn_hidden=128",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "data=synthetic",
-    "trainer.limit_val_batches=2",
-    "scheduler.warmup_steps=2",
-    "trainer.enable_progress_bar=false",
-    "callbacks=none",
-]
+SMALL = ["trainer=ddp_sim", *SMALL_RUN]
 TRAIN = str(REPO_ROOT / "train.py")
 SUMMARY = "lightning_trainopt run summary"
 

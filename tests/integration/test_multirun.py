@@ -12,22 +12,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers.compose import REPO_ROOT
+from tests.helpers.compose import SMALL_RUN as SMALL
 from tests.helpers.env import child_env
 from tests.helpers.hidden_packages import env_without
-
-SMALL = [
-    "model.n_layers=2",
-    "model.d_model=64",
-    "model.n_heads=2",
-    "model.ffn_hidden=128",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "data=synthetic",
-    "trainer.limit_val_batches=2",
-    "scheduler.warmup_steps=2",
-    "trainer.enable_progress_bar=false",
-    "callbacks=none",
-]
 
 
 @pytest.mark.slow
