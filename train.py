@@ -1,4 +1,4 @@
-"""Train with the Hydra config tree in conf/: `python train.py +strategy=zero3 precision=bf16`.
+"""Train with the Hydra config tree in lightning_trainopt/conf/: `python train.py +strategy=zero3 precision=bf16`.
 
 The work is done by `lightning_trainopt.launch.train.train(cfg)`, which tests call directly.
 """
