@@ -83,6 +83,7 @@ class PreflightInput:
         optimizer_target: the optimizer's ``_target_`` (``torch.optim.AdamW``, ``bitsandbytes.optim.AdamW8bit``...).
         accelerator: ``cpu``, ``gpu``/``cuda`` or ``auto`` (resolved against ``torch.cuda.is_available()``).
         callback_targets: ``_target_`` of each configured callback.
+        non_finite_skip: a configured ``NonFiniteGuard`` skips non-finite steps (``policy=skip``, its default).
         n_params: model parameter count (for advice and the NVMe size estimate), if known.
         world_size: processes in the job (for the NVMe size estimate).
         precision_preset: the precision preset's name (``bf16``), for messages.
@@ -100,6 +101,7 @@ class PreflightInput:
     optimizer_target: str | None = None
     accelerator: str = "auto"
     callback_targets: tuple[str, ...] = ()
+    non_finite_skip: bool = False
     n_params: int | None = None
     world_size: int = 1
     precision_preset: str | None = None
@@ -251,6 +253,13 @@ RULES: tuple[Rule, ...] = (
             and p.optimizer_target not in _ADAM_TARGETS
         ),
         lambda p: {"optimizer": p.optimizer, "strategy": p.preset},
+    ),
+    Rule(
+        "NonFiniteGuard policy=skip + DeepSpeed",
+        "DeepSpeed keeps gradients in its own partitions, so the guard cannot drop them to skip a step.",
+        "use callbacks.non_finite_guard.policy=stop (DeepSpeed's fp16 loss scaler skips overflows itself).",
+        lambda p: p.strategy.wraps_in_engine and p.non_finite_skip,
+        lambda p: {"callbacks.non_finite_guard.policy": "skip", "strategy": p.preset},
     ),
     Rule(
         "GradientAccumulationScheduler + DeepSpeed",
@@ -530,6 +539,11 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     callbacks = plain(cfg.get("callbacks")) or {}
     trainer = plain(cfg.get("trainer")) or {}
     targets = tuple(str(v.get("_target_", "")) for v in callbacks.values() if isinstance(v, dict))
+    non_finite_skip = any(
+        str(v.get("_target_", "")).endswith("NonFiniteGuard") and v.get("policy", "skip") == "skip"
+        for v in callbacks.values()
+        if isinstance(v, dict)
+    )
     if n_params is None:
         n_params = _config_params(cfg)
     if world_size is None:
@@ -546,6 +560,7 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
         optimizer_target=optimizer.get("_target_"),
         accelerator=str(trainer.get("accelerator", "auto")),
         callback_targets=targets,
+        non_finite_skip=non_finite_skip,
         n_params=n_params,
         world_size=world_size,
         precision_preset=precision.get("name"),

@@ -275,3 +275,24 @@ def test_matrix_lists_every_rule():
 def test_documented_matrix_is_the_generated_one():
     docs = Path(__file__).resolve().parents[3] / "docs" / "strategies.md"
     assert compatibility_matrix_markdown().rstrip("\n") in docs.read_text()
+
+
+def test_non_finite_guard_skip_under_deepspeed_is_refused_before_start():
+    # The guard drops gradients to skip a step; DeepSpeed steps its own partitions, so skip cannot work there.
+    zero2 = parse_strategy(preset("zero2"))
+    with pytest.raises(IncompatibleConfigError, match="callbacks.non_finite_guard.policy=stop"):
+        preflight(PreflightInput(strategy=zero2, accelerator="cpu", non_finite_skip=True))
+    assert preflight(PreflightInput(strategy=zero2, accelerator="cpu", non_finite_skip=False)) == []
+    ddp = parse_strategy(preset("ddp"))
+    assert preflight(PreflightInput(strategy=ddp, accelerator="cpu", non_finite_skip=True)) == []
+
+
+def test_non_finite_guard_skip_is_read_from_the_callbacks_node():
+    from tests.helpers.compose import compose_config
+
+    cfg = compose_config(["+strategy=zero2", "callbacks=[non_finite_guard]", "trainer.accelerator=cpu"])
+    with pytest.raises(IncompatibleConfigError, match="DeepSpeed keeps gradients in its own partitions"):
+        preflight_from_cfg(cfg)
+    stop = ["callbacks.non_finite_guard.policy=stop", "trainer.accelerator=cpu"]
+    cfg = compose_config(["+strategy=zero2", "callbacks=[non_finite_guard]", *stop])
+    assert preflight_from_cfg(cfg) == []
