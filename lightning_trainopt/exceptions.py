@@ -5,9 +5,12 @@ Every error raised for user input names the config key, the value it got, and th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
 
 __all__ = [
+    "cause_of_type",
     "CheckpointWriteError",
     "ConfigError",
     "ConfigKeysError",
@@ -156,3 +159,19 @@ class RunDirLockedError(TrainOptError, RuntimeError):
         self.run_dir = run_dir
         self.holder = holder
         super().__init__(f"hydra.run.dir={run_dir!r} is in use by another run ({holder}): {fix}")
+
+
+def cause_of_type(err: BaseException, kind: type[_E]) -> _E | None:
+    """``err`` itself if it is a ``kind``, else the first ``kind`` on its ``__cause__``/``__context__`` chain.
+
+    Wrappers re-raise what they caught (Hydra's ``InstantiationException`` ``from`` a target's error, torch.save's
+    ``RuntimeError`` from the ``OSError`` of a failed write); the caller wants the error underneath.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

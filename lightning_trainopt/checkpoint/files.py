@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_trainopt.exceptions import CheckpointWriteError
+from lightning_trainopt.exceptions import CheckpointWriteError, cause_of_type
 
 __all__ = [
     "BACKUP_MARK",
@@ -147,7 +147,7 @@ def _disk_full(path: str | os.PathLike[str]) -> bool:
 def _translate(path: str | os.PathLike[str], err: BaseException, where: str | os.PathLike[str]) -> BaseException:
     """The :class:`CheckpointWriteError` for a failed write: from the ``OSError`` behind ``err``, else from a full
     filesystem at ``where`` (checked before the partial write is removed); ``err`` itself for any other failure."""
-    cause = _os_error(err)
+    cause = cause_of_type(err, OSError)
     if cause is not None:
         return _write_error(path, cause)
     if _disk_full(where):
@@ -196,18 +196,6 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         OSError: the write failed; ``path`` keeps its previous content.
     """
     _atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def _os_error(err: BaseException) -> OSError | None:
-    """The ``OSError`` behind ``err`` (torch.save reports a failed write as ``RuntimeError`` raised from it)."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
 
 
 def save_directory_checkpoint(strategy: Any, filepath: str | os.PathLike[str], write: Callable[[str], None]) -> None:

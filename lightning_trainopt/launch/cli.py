@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from lightning_trainopt._compat.hydra_internals import translate_run_errors
 from lightning_trainopt.checkpoint.run_lock import RunDirLock, is_launching_rank
 from lightning_trainopt.config.tree import CONF_DIR
-from lightning_trainopt.exceptions import RunDirLockedError, TrainOptError
+from lightning_trainopt.exceptions import RunDirLockedError, TrainOptError, cause_of_type
 from lightning_trainopt.launch.launcher import detect_launch, die_with_parent, external_launch_argv, mark_launcher
 from lightning_trainopt.launch.multirun import (
     apply_child_command,
@@ -146,14 +146,7 @@ def user_error(err: BaseException) -> TrainOptError | None:
     (``raise ... from e``), once per level of nesting, so the user error is found on the ``__cause__`` chain
     (``__context__`` where a wrapper did not say ``from``).
     """
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, TrainOptError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
+    return cause_of_type(err, TrainOptError)
 
 
 def hydra_error_line(err: BaseException) -> str | None:
