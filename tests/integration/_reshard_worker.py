@@ -1,0 +1,41 @@
+"""Worker of test_dcp_checkpoints: train a tiny GPT under FSDP2 on N processes (or only load a checkpoint), save.
+
+``python _reshard_worker.py DEVICES STEPS SAVE [LOAD]``: fit ``STEPS`` optimizer steps (from ``LOAD`` when given;
+with ``LOAD`` at step ``STEPS`` nothing is trained, the checkpoint is only loaded onto this run's ranks), then
+``trainer.save_checkpoint(SAVE)`` from every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_trainopt.models import GPTConfig, LitGPT
+from lightning_trainopt.parallel import TrainOptFSDPStrategy
+
+
+def main(devices: int, steps: int, save: str, load: str | None) -> None:
+    pl.seed_everything(0)
+    tokens = torch.randint(0, 256, (16, 17), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4 // devices)
+    module = LitGPT(GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=TrainOptFSDPStrategy(),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=data, ckpt_path=load)
+    trainer.save_checkpoint(save)
+    print(f"rank {trainer.global_rank}: saved step {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else None)

@@ -1,0 +1,101 @@
+"""FSDP2 checkpoints are DCP directories: written by every rank, resumed on another number of ranks, converted.
+
+One 2-process fit writes a checkpoint (each rank its own ``__<rank>_0.distcp``); a 1-process run loads it (DCP
+reshards on load) and saves it again; a 2-process run loads that one and saves it again. Loading and saving copy
+tensors, so every weight and every AdamW moment must come back bit for bit, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_trainopt.checkpoint.convert import convert_checkpoint, main
+from lightning_trainopt.checkpoint.dcp import is_dcp_checkpoint, read_dcp_tensors
+from lightning_trainopt.checkpoint.verify import checkpoint_problem
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models import GPT, GPTConfig
+from tests.helpers.compose import REPO_ROOT
+from tests.helpers.env import child_env
+
+WORKER = Path(__file__).with_name("_reshard_worker.py")
+STEPS = 3
+SHAPE = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16)
+
+
+def _worker(devices: int, save: Path, load: Path | None = None) -> None:
+    args = [sys.executable, str(WORKER), str(devices), str(STEPS), str(save), *([str(load)] if load else [])]
+    proc = subprocess.run(args, cwd=REPO_ROOT, env=child_env(REPO_ROOT), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(devices):
+        assert f"rank {rank}: saved step {STEPS}" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``two``: trained on 2 ranks; ``one``: it loaded on 1 rank and saved; ``back``: that loaded on 2 and saved."""
+    tmp = tmp_path_factory.mktemp("dcp")
+    paths = {"two": tmp / "two.ckpt", "one": tmp / "one.ckpt", "back": tmp / "back.ckpt"}
+    _worker(2, paths["two"])
+    _worker(1, paths["one"], load=paths["two"])
+    _worker(2, paths["back"], load=paths["one"])
+    return paths
+
+
+def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return read_dcp_tensors(path, prefix="")
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_each_rank_writes_its_own_part_and_the_directory_is_sealed(saved):
+    for name, ranks in (("two", 2), ("one", 1), ("back", 2)):
+        path = saved[name]
+        assert is_dcp_checkpoint(path)
+        assert checkpoint_problem(path) is None  # our manifest, written after every rank's part
+        assert sorted(p.name for p in path.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_two_ranks_to_one_and_back_keep_every_weight_and_optimizer_moment(saved):
+    two = _all_tensors(saved["two"])
+    optimizer = [k for k in two if k.startswith("optimizer_0.state.")]
+    assert any(k.endswith(".exp_avg_sq") for k in optimizer)
+    assert two["optimizer_0.state.model.embed.weight.step"].item() == STEPS  # trained, not a fresh model
+    _assert_same(two, _all_tensors(saved["one"]))  # 2 -> 1 rank
+    _assert_same(two, _all_tensors(saved["back"]))  # 1 -> 2 ranks
+
+
+@pytest.mark.slow
+def test_convert_gives_the_plain_state_dict_and_a_hugging_face_directory_with_the_same_logits(saved, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    main([str(saved["two"]), str(tmp_path / "gpt.pt"), "--hf-dir", str(tmp_path / "hf")])
+    state = torch.load(tmp_path / "gpt.pt", weights_only=True)
+    weights = read_dcp_tensors(saved["two"])
+    assert state.keys() == {k.removeprefix("model.") for k in weights}
+    gpt = GPT(SHAPE).eval()
+    gpt.load_state_dict(state, strict=True)
+    for key, tensor in weights.items():
+        torch.testing.assert_close(gpt.state_dict()[key.removeprefix("model.")], tensor, rtol=0, atol=0)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    idx = torch.randint(0, SHAPE.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = gpt(idx), hf(idx).logits
+    # Same fp32 arithmetic in another order (rotary halves instead of pairs): agreement to rounding.
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def test_convert_refuses_a_directory_that_is_no_sharded_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="FSDP2/TP checkpoint directory"):
+        convert_checkpoint(tmp_path, tmp_path / "out.pt")
