@@ -114,17 +114,18 @@ def checkpoint_every_n_train_steps(callback: Any) -> int:
     return int(private_attr(callback, "_every_n_train_steps", "lightning", *LIGHTNING_RANGE, _MODULE) or 0)
 
 
-def save_last_checkpoint(callback: Any, trainer: Any) -> bool:
+def save_last_checkpoint(callback: Any, trainer: Any, with_metric: bool = False) -> bool:
     """Write a ``ModelCheckpoint``'s ``last`` checkpoint now, as its own schedule would; ``False`` if it would not.
 
-    Nothing is written where the callback itself skips saving (no fit, a step it saved at already) or where its
-    monitored metric exists at this step (the parent saved, or defers to a validation about to run). The marker of
-    the step last saved is left as it was, so a validation at this same step still writes the top-k checkpoint.
+    Nothing is written where the callback itself skips saving (no fit, a step it saved at already) or, unless
+    ``with_metric``, where its monitored metric exists at this step (the parent saved, or defers to a validation
+    about to run). The marker of the step last saved is left as it was, so a validation at this same step still
+    writes the top-k checkpoint.
     """
     if private_attr(callback, "_should_skip_saving_checkpoint", "lightning", *LIGHTNING_RANGE, _MODULE)(trainer):
         return False
     candidates = private_attr(callback, "_monitor_candidates", "lightning", *LIGHTNING_RANGE, _MODULE)(trainer)
-    if callback.monitor in candidates:
+    if callback.monitor in candidates and not with_metric:
         return False
     saved_step = private_attr(callback, "_last_global_step_saved", "lightning", *LIGHTNING_RANGE, _MODULE)
     private_attr(callback, "_save_last_checkpoint", "lightning", *LIGHTNING_RANGE, _MODULE)(trainer, candidates)

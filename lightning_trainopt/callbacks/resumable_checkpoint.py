@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -26,16 +28,25 @@ __all__ = ["ResumableCheckpoint"]
 _KEY = "callbacks.model_checkpoint"
 
 
+def _clock() -> float:
+    """Seconds on a monotonic clock (a module function, so tests can replace the clock)."""
+    return time.monotonic()
+
+
 class ResumableCheckpoint(ModelCheckpoint):
     """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` that keeps a resumable latest state at all times.
 
-    Two differences from the parent, both about the latest state (``save_last``), never about the best (top-k):
+    Three differences from the parent, all about the latest state (``save_last``), never about the best (top-k):
 
     * ``every_n_train_steps`` writes ``last.ckpt`` on its schedule even while the monitored metric does not exist
       yet. Lightning defers every save to the next validation when ``monitor`` is missing, so
       ``ModelCheckpoint(monitor="val_loss", save_last=True, every_n_train_steps=10)`` saved nothing until the
       first validation (never, when validation comes later than the interruption). The top-k save still waits for
       the metric, and a validation at the same step still saves it.
+    * ``every_n_minutes`` also writes ``last.ckpt`` at the first optimizer-step boundary after that many minutes of
+      wall-clock time since the fit started or the last such save, beside a step schedule (Lightning's
+      ``train_time_interval`` cannot be combined with ``every_n_train_steps``). On several processes the ranks
+      agree in the all-reduce they make per optimizer step anyway (below), so they save at the same step.
     * An interrupted fit writes ``interrupted-step<N>.ckpt`` beside the others, so ``ckpt_path=<it>`` (train.py:
       ``ckpt_path=last``, the newest checkpoint) continues from the step it stopped at. SIGTERM (a cluster's
       preemption) is already turned by Lightning into a stop at the next step boundary on every rank; the first
@@ -44,23 +55,31 @@ class ResumableCheckpoint(ModelCheckpoint):
 
     Args:
         save_on_interrupt: write the interrupt checkpoint (and handle the first Ctrl-C as a graceful stop).
+        every_n_minutes: also write ``last.ckpt`` every this many minutes of training (``None``: off); needs
+            ``save_last``.
         *args: :class:`ModelCheckpoint` arguments.
         **kwargs: :class:`ModelCheckpoint` keyword arguments.
 
     Raises:
         ConfigError: an argument Lightning would refuse with its own exception (``every_n_train_steps=-1``,
-            ``save_top_k=-2``, ``mode="low"``, two save triggers at once) or ``save_on_interrupt`` not a bool;
-            named as ``callbacks.model_checkpoint.<argument>``.
+            ``save_top_k=-2``, ``mode="low"``, two save triggers at once), ``save_on_interrupt`` not a bool,
+            ``every_n_minutes`` not a positive number or without ``save_last``; named as
+            ``callbacks.model_checkpoint.<argument>``.
 
     Example::
 
         ResumableCheckpoint(dirpath="ckpt", monitor="val_loss", save_last=True, every_n_train_steps=500)
     """
 
-    def __init__(self, *args: Any, save_on_interrupt: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, save_on_interrupt: bool = True, every_n_minutes: float | None = None, **kwargs: Any
+    ) -> None:
         _check_arguments(save_on_interrupt, kwargs)
+        _check_minutes(every_n_minutes, kwargs.get("save_last"))
         super().__init__(*args, **kwargs)
         self.save_on_interrupt = save_on_interrupt
+        self.every_n_minutes = every_n_minutes
+        self._timer_start = 0.0
         self.interrupt_path: str | None = None
         self._previous_sigint: Any = None
         self._sigint = self._sigterm = False
@@ -77,7 +96,10 @@ class ResumableCheckpoint(ModelCheckpoint):
             self._hold_local_sigterm(trainer)
             return
         self._boundary_step = trainer.global_step
-        self._stop_if_interrupted(trainer)
+        if self._stop_if_interrupted(trainer):
+            # Wall-clock time is up: last.ckpt now, whatever the metric (the parent has no time trigger here).
+            self._timer_start = _clock()
+            save_last_checkpoint(self, trainer, with_metric=True)
         every = checkpoint_every_n_train_steps(self)
         if not self.save_last or self.monitor is None or every < 1 or trainer.global_step % every:
             return
@@ -91,6 +113,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         self.interrupt_path = None
         self._sigint = self._sigterm = False
         self._boundary_step = trainer.global_step
+        self._timer_start = _clock()
         if not self.save_on_interrupt or threading.current_thread() is not threading.main_thread():
             return
         self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
@@ -117,21 +140,28 @@ class ResumableCheckpoint(ModelCheckpoint):
             self._sigterm = True
             set_received_sigterm(trainer, False)
 
-    def _stop_if_interrupted(self, trainer: pl.Trainer) -> None:
-        """After a Ctrl-C or SIGTERM on any rank, stop every rank at this same optimizer-step boundary.
+    def _stop_if_interrupted(self, trainer: pl.Trainer) -> bool:
+        """After a Ctrl-C or SIGTERM on any rank, stop every rank at this same optimizer-step boundary; whether the
+        ``every_n_minutes`` save is due (and no stop is).
 
-        On several processes the ranks agree first: one scalar all-reduce per optimizer step (not per micro-batch),
-        beside the SIGTERM broadcast Lightning already makes every batch there. A signal reaches each process at a
-        slightly different moment, and ranks that stopped at different batches would pair mismatched collectives in
-        the checkpoint save and hang. The stop itself is Lightning's preemption path: ``received_sigterm`` makes
-        every rank raise ``SIGTERMException`` at the end of this batch, after its optimizer step.
+        On several processes the ranks agree first: one all-reduce of two flags per optimizer step (not per
+        micro-batch), beside the SIGTERM broadcast Lightning already makes every batch there. A signal reaches each
+        process at a slightly different moment, and ranks that stopped (or saved) at different batches would pair
+        mismatched collectives in the checkpoint save and hang; the clocks of the ranks differ too, so the save is
+        due where any rank's clock says so. The stop itself is Lightning's preemption path: ``received_sigterm``
+        makes every rank raise ``SIGTERMException`` at the end of this batch, after its optimizer step.
         """
-        if not self.save_on_interrupt:
-            return
-        stop = self._sigint or self._sigterm or trainer.received_sigterm
+        timed = self.every_n_minutes is not None
+        if not self.save_on_interrupt and not timed:
+            return False
+        stop = self.save_on_interrupt and (self._sigint or self._sigterm or trainer.received_sigterm)
+        due = timed and _clock() - self._timer_start >= 60 * (self.every_n_minutes or 0)
         if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        set_received_sigterm(trainer, stop)
+            flags = torch.tensor([int(stop), int(due)], device=trainer.strategy.root_device)
+            stop, due = (bool(v) for v in trainer.strategy.reduce(flags, reduce_op="max").tolist())
+        if self.save_on_interrupt:
+            set_received_sigterm(trainer, stop)
+        return due and not stop
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:
@@ -168,6 +198,22 @@ class ResumableCheckpoint(ModelCheckpoint):
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_minutes(every_n_minutes: Any, save_last: Any) -> None:
+    """Refuse an ``every_n_minutes`` that is not a positive number, or one without ``save_last`` to write."""
+    if every_n_minutes is None:
+        return
+    if not isinstance(every_n_minutes, (int, float)) or isinstance(every_n_minutes, bool) or every_n_minutes <= 0:
+        raise ConfigError(
+            f"{_KEY}.every_n_minutes", every_n_minutes, "use a number of minutes > 0 (e.g. 30), or null: off."
+        )
+    if not save_last:
+        raise ConfigError(
+            f"{_KEY}.every_n_minutes",
+            every_n_minutes,
+            f"it writes last.ckpt, which {_KEY}.save_last={save_last} turns off; set save_last: true.",
+        )
 
 
 def _check_arguments(save_on_interrupt: Any, kwargs: dict[str, Any]) -> None:

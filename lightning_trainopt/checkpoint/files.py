@@ -27,6 +27,7 @@ __all__ = [
     "commit_staged",
     "discard_staged",
     "fsync_dir",
+    "recover_interrupted_writes",
     "save_directory_checkpoint",
     "staging_path",
     "write_file_atomic",
@@ -124,6 +125,41 @@ def commit_staged(staging: str | os.PathLike[str], final: str | os.PathLike[str]
     fsync_dir(final.parent)
     if backup is not None:
         _remove(backup)
+
+
+def recover_interrupted_writes(ckpt_dir: str | os.PathLike[str]) -> list[str]:
+    """Undo what a writer killed in ``ckpt_dir`` left behind: put back a checkpoint caught between
+    :func:`commit_staged`'s two renames, and delete staging paths and leftover backups.
+
+    A backup whose checkpoint name is free again is the previous complete checkpoint of a directory commit killed
+    after moving it aside and before moving the new one in: it is renamed back. Every other staging or backup path is
+    an unfinished or superseded write: it is removed (a killed writer never cleans up, and a model's checkpoint is
+    large). Call it only where no write is under way (the run folder is locked by this run).
+
+    Returns:
+        One line per path restored or removed.
+    """
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    done = []
+    for path in sorted(root.iterdir()):
+        name = path.name
+        if not name.startswith("."):
+            continue
+        if BACKUP_MARK in name:
+            final = root / name[1:].rsplit(BACKUP_MARK, 1)[0]
+            if not (final.exists() or final.is_symlink()):
+                os.replace(path, final)
+                done.append(f"restored {final.name} from {name} (a commit was killed between its renames)")
+                continue
+        elif STAGING_MARK not in name:
+            continue
+        _remove(path)
+        done.append(f"removed {name} (left by a killed write)")
+    if done:
+        fsync_dir(root)
+    return done
 
 
 def _write_error(path: str | os.PathLike[str], err: OSError) -> CheckpointWriteError:

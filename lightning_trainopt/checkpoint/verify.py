@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_trainopt.checkpoint.files import BACKUP_MARK, MANIFEST, STAGING_MARK
+from lightning_trainopt.checkpoint.files import BACKUP_MARK, MANIFEST, STAGING_MARK, recover_interrupted_writes
 from lightning_trainopt.exceptions import ConfigError
 
 __all__ = ["checkpoint_problem", "newest_complete_checkpoint", "read_checkpoint_state", "verify_checkpoint"]
@@ -107,12 +107,16 @@ def _candidates(ckpt_dir: Path) -> list[Path]:
 def newest_complete_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str:
     """``ckpt_path=last``: the newest checkpoint in ``ckpt_dir`` that is complete (:func:`checkpoint_problem`).
 
-    Each newer checkpoint that is skipped is named in a warning with what is wrong with it.
+    Each newer checkpoint that is skipped is named in a warning with what is wrong with it. What a killed write left
+    in ``ckpt_dir`` is undone first (:func:`~lightning_trainopt.checkpoint.files.recover_interrupted_writes`), each
+    step logged.
 
     Raises:
         ConfigError: no checkpoint in ``ckpt_dir``, or none of them is complete (each is listed with its problem).
     """
     ckpt_dir = Path(ckpt_dir)
+    for line in recover_interrupted_writes(ckpt_dir):
+        log.warning("%s: %s", ckpt_dir, line)
     found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
     if not found:
         raise ConfigError(

@@ -147,6 +147,9 @@ def test_a_ctrl_c_under_accumulation_stops_after_a_whole_optimizer_step(tmp_path
         ({"every_n_train_steps": 5, "every_n_epochs": 1}, "every_n_epochs"),
         ({"save_top_k": 3, "monitor": None}, "save_top_k"),
         ({"save_on_interrupt": "no"}, "save_on_interrupt"),
+        ({"every_n_minutes": 0, "save_last": True}, "every_n_minutes"),
+        ({"every_n_minutes": "30", "save_last": True}, "every_n_minutes"),
+        ({"every_n_minutes": 30}, "every_n_minutes"),  # without save_last there is no last.ckpt to write
     ],
 )
 def test_nonsense_arguments_are_config_errors_naming_the_key(tmp_path, kwargs, key):
@@ -154,3 +157,24 @@ def test_nonsense_arguments_are_config_errors_naming_the_key(tmp_path, kwargs, k
 
     with pytest.raises(ConfigError, match=rf"^callbacks\.model_checkpoint\.{key}="):
         ResumableCheckpoint(dirpath=str(tmp_path), **{"monitor": "val_loss", **kwargs})
+
+
+def test_every_n_minutes_writes_last_beside_the_step_schedule_even_once_the_metric_exists(tmp_path, monkeypatch):
+    from lightning_trainopt.callbacks import resumable_checkpoint
+    from tests.unit.callbacks._clock import StepClock
+
+    clock = StepClock(dt=20.0)  # each optimizer step lasts 20 s: a minute is up at steps 3 and 6
+    monkeypatch.setattr(resumable_checkpoint, "_clock", clock)
+    ckpt = ResumableCheckpoint(
+        dirpath=str(tmp_path), monitor="val_loss", save_last=True, every_n_train_steps=4, every_n_minutes=1
+    )
+    probe = SavedSteps(str(tmp_path))
+    # A validation every 2 steps: from step 2 on the metric exists, which stops the step schedule's extra save but
+    # must not stop the time one.
+    trainer = tiny_trainer(
+        [clock, ckpt, probe], max_steps=8, enable_checkpointing=True, limit_val_batches=1, val_check_interval=2
+    )
+    trainer.fit(tiny_module(), datamodule=tiny_data())
+    # The probe at step k sees the saves up to step k - 1 (checkpoint callbacks run last): minutes at 3 and 6, the
+    # step schedule at 4 (and 8, after the probe's last look).
+    assert probe.steps == [None, None, None, 3, 4, 4, 6, 6]
