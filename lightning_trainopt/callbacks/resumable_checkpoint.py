@@ -49,9 +49,10 @@ class ResumableCheckpoint(ModelCheckpoint):
       agree in the all-reduce they make per optimizer step anyway (below), so they save at the same step.
     * An interrupted fit writes ``interrupted-step<N>.ckpt`` beside the others, so ``ckpt_path=<it>`` (train.py:
       ``ckpt_path=last``, the newest checkpoint) continues from the step it stopped at. SIGTERM (a cluster's
-      preemption) is already turned by Lightning into a stop at the next step boundary on every rank; the first
-      Ctrl-C (SIGINT) is made to do the same, because an interrupt in the middle of a step cannot be saved
-      consistently by several processes. A second Ctrl-C aborts at once without saving (one process: still saved).
+      preemption) is turned into a stop at the next optimizer-step boundary on every rank (Lightning's pre-emption
+      path, the ranks agreeing first: below); the first Ctrl-C (SIGINT) is made to do the same, because an
+      interrupt in the middle of a step cannot be saved consistently by several processes. A second Ctrl-C aborts
+      at once without saving (one process: still saved).
 
     Args:
         save_on_interrupt: write the interrupt checkpoint (and handle the first Ctrl-C as a graceful stop).
@@ -82,6 +83,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         self._timer_start = 0.0
         self.interrupt_path: str | None = None
         self._previous_sigint: Any = None
+        self._previous_sigterm: Any = None
         self._sigint = self._sigterm = False
         self._boundary_step = -1
 
@@ -117,18 +119,28 @@ class ResumableCheckpoint(ModelCheckpoint):
         if not self.save_on_interrupt or threading.current_thread() is not threading.main_thread():
             return
         self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        if trainer.world_size > 1:
+            # Lightning's handler sets the flag its loops read at once, on the rank that got the signal; between this
+            # callback's agreement and Lightning's check of the flag, that rank alone would stop and enter the
+            # checkpoint save while the others start the next step (a hang). The flag waits for the agreement.
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._restore_sigint()
+        self._restore_signals()
         super().on_train_end(trainer, pl_module)  # Lightning writes last.ckpt here when nothing was saved yet
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        self._restore_sigint()  # a second Ctrl-C raises KeyboardInterrupt at once
+        signal.signal(signal.SIGINT, self._previous_sigint)  # a second Ctrl-C raises KeyboardInterrupt at once
+        self._previous_sigint = None
         self._sigint = True
         rank_zero_info(
             "\nCtrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to abort without one)."
         )
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._sigterm = True
+        rank_zero_info("SIGTERM: every rank stops after this optimizer step and a checkpoint is saved.")
 
     def _hold_local_sigterm(self, trainer: pl.Trainer) -> None:
         """Between optimizer steps on several processes, keep a SIGTERM this rank saw for the next agreement.
@@ -163,14 +175,17 @@ class ResumableCheckpoint(ModelCheckpoint):
             set_received_sigterm(trainer, stop)
         return due and not stop
 
-    def _restore_sigint(self) -> None:
+    def _restore_signals(self) -> None:
         if self._previous_sigint is not None:
             signal.signal(signal.SIGINT, self._previous_sigint)
             self._previous_sigint = None
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore_sigint()
+        self._restore_signals()
         super().on_exception(trainer, pl_module, exception)  # ModelCheckpoint(save_on_exception=True) still works
         if not self.save_on_interrupt or not isinstance(exception, (SIGTERMException, KeyboardInterrupt)):
             return
