@@ -19,7 +19,13 @@ from typing import Any
 from lightning_trainopt.checkpoint.files import BACKUP_MARK, MANIFEST, STAGING_MARK, recover_interrupted_writes
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["checkpoint_problem", "newest_complete_checkpoint", "read_checkpoint_state", "verify_checkpoint"]
+__all__ = [
+    "auto_resume_checkpoint",
+    "checkpoint_problem",
+    "newest_complete_checkpoint",
+    "read_checkpoint_state",
+    "verify_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +145,33 @@ def newest_complete_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str:
         f"no complete checkpoint in {ckpt_dir} ({listing}); start the run afresh (ckpt_path=null, another "
         "hydra.run.dir) or give a checkpoint from elsewhere.",
     )
+
+
+def auto_resume_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str | None:
+    """``ckpt_path=auto``: the newest complete checkpoint in ``ckpt_dir``, or ``None`` to start the run.
+
+    The one command a pre-emptible job repeats: the first attempt finds no checkpoint and starts, every later one
+    resumes where the last complete checkpoint left it. Incomplete checkpoints (a write killed half-way) are skipped
+    with a warning naming each; when none is complete the run starts afresh with a warning, since refusing would leave
+    an automatically requeued job failing for ever on files it cannot use.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    if not found:
+        log.info("ckpt_path=auto: no checkpoint in %s; starting the run.", ckpt_dir)
+        return None
+    skipped: list[tuple[Path, str]] = []
+    for path in found:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for bad, why in skipped:
+                log.warning("ckpt_path=auto: skipping %s, newer than %s but incomplete: %s", bad, path.name, why)
+            log.info("ckpt_path=auto: resuming from %s.", path)
+            return str(path)
+        skipped.append((path, problem))
+    listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+    log.warning("ckpt_path=auto: no complete checkpoint in %s (%s); starting the run afresh.", ckpt_dir, listing)
+    return None
 
 
 def read_checkpoint_state(path: str | os.PathLike[str], key: str = "ckpt_path") -> Mapping[str, Any]:

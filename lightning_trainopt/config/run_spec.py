@@ -95,7 +95,7 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class CheckpointingSpec:
-    """``ckpt_path``: a checkpoint to resume from, ``last``, or ``None``."""
+    """``ckpt_path``: a checkpoint, ``last``, ``auto`` (resume if there is one, else start), or ``None``."""
 
     ckpt_path: str | None
 

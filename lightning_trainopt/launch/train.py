@@ -83,22 +83,31 @@ def _instantiate_named(group: DictConfig | None) -> list[Any]:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """A checkpoint path as given, or ``last``: the newest complete checkpoint under ``<run_dir>/checkpoints``.
+    """A checkpoint path as given; ``last``: the newest complete checkpoint under ``<run_dir>/checkpoints``;
+    ``auto``: the same when there is one, else ``None`` (start the run; the one command a pre-emptible job repeats).
 
     Either way the checkpoint is checked to be complete (its zip directory, or a directory checkpoint's manifest);
-    ``last`` skips newer incomplete ones with a warning naming them.
+    ``last`` and ``auto`` skip newer incomplete ones with a warning naming them.
 
     Raises:
         ConfigError: the path does not exist or is not a complete checkpoint; ``last`` finds no complete one.
     """
-    from lightning_trainopt.checkpoint.verify import newest_complete_checkpoint, verify_checkpoint
+    from lightning_trainopt.checkpoint.verify import (
+        auto_resume_checkpoint,
+        newest_complete_checkpoint,
+        verify_checkpoint,
+    )
 
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
         return newest_complete_checkpoint(run_dir / "checkpoints")
+    if ckpt_path == "auto":
+        return auto_resume_checkpoint(run_dir / "checkpoints")
     if not Path(ckpt_path).exists():
-        raise ConfigError("ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path or 'last'.")
+        raise ConfigError(
+            "ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path, 'last' or 'auto'."
+        )
     verify_checkpoint(ckpt_path)
     return ckpt_path
 

@@ -51,9 +51,9 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run that trained to its end (4 steps, last.ckpt at step 4)."""
+    """A run that trained to its end (4 steps, last.ckpt at step 4), started by ``ckpt_path=auto`` in an empty folder."""
     run_dir = tmp_path_factory.mktemp("finished")
-    proc = _run("trainer.max_steps=4", f"hydra.run.dir={run_dir}")
+    proc = _run("trainer.max_steps=4", f"hydra.run.dir={run_dir}", "ckpt_path=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -66,6 +66,11 @@ def test_a_finished_run_resumed_keeps_its_results(finished):
     again = _run("trainer.max_steps=4", f"hydra.run.dir={finished}", "ckpt_path=last")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "has finished training (step 4 of max_steps=4)" in again.stdout + again.stderr
+    assert (finished / "metrics.json").read_bytes() == before
+    # ckpt_path=auto, the command a pre-emptible job repeats, finds the finished run the same way.
+    auto = _run("trainer.max_steps=4", f"hydra.run.dir={finished}", "ckpt_path=auto")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "has finished training (step 4 of max_steps=4)" in auto.stdout + auto.stderr
     assert (finished / "metrics.json").read_bytes() == before
 
 

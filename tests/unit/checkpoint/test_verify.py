@@ -11,6 +11,7 @@ import torch
 
 from lightning_trainopt.checkpoint.files import MANIFEST, write_manifest
 from lightning_trainopt.checkpoint.verify import (
+    auto_resume_checkpoint,
     checkpoint_problem,
     newest_complete_checkpoint,
     read_checkpoint_state,
@@ -105,6 +106,26 @@ def test_last_refuses_when_none_is_complete(tmp_path):
     assert "step4.ckpt: it is not a checkpoint" in str(refused.value)
     with pytest.raises(ConfigError, match="no checkpoint in"):
         newest_complete_checkpoint(tmp_path / "nowhere")
+
+
+def test_auto_starts_without_checkpoints_and_resumes_the_newest_complete_one(tmp_path, caplog):
+    # The first attempt of a pre-emptible job: no folder, then an empty folder: start.
+    assert auto_resume_checkpoint(tmp_path / "nowhere") is None
+    assert auto_resume_checkpoint(tmp_path) is None
+    # A later attempt: the newest complete checkpoint, past a newer one killed half-way.
+    good = _save(tmp_path / "last.ckpt", age_s=20)
+    _truncate(_save(tmp_path / "step000010.ckpt", age_s=10), 0.5)
+    with caplog.at_level(logging.WARNING):
+        assert auto_resume_checkpoint(tmp_path) == str(good)
+    assert "ckpt_path=auto: skipping" in caplog.text and "step000010.ckpt" in caplog.text
+
+
+def test_auto_starts_afresh_when_no_checkpoint_is_complete(tmp_path, caplog):
+    # Refusing would fail a requeued job for ever on files it cannot use; it starts and says which files were broken.
+    _truncate(_save(tmp_path / "last.ckpt"), 0.3)
+    with caplog.at_level(logging.WARNING):
+        assert auto_resume_checkpoint(tmp_path) is None
+    assert "no complete checkpoint" in caplog.text and "last.ckpt: the zip archive is truncated" in caplog.text
 
 
 def test_state_that_cannot_be_unpickled_is_a_config_error(tmp_path):
