@@ -153,9 +153,12 @@ def auto_resume_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str | None:
     The one command a pre-emptible job repeats: the first attempt finds no checkpoint and starts, every later one
     resumes where the last complete checkpoint left it. Incomplete checkpoints (a write killed half-way) are skipped
     with a warning naming each; when none is complete the run starts afresh with a warning, since refusing would leave
-    an automatically requeued job failing for ever on files it cannot use.
+    an automatically requeued job failing for ever on files it cannot use. What a killed write left is undone first,
+    as for ``ckpt_path=last`` (:func:`newest_complete_checkpoint`).
     """
     ckpt_dir = Path(ckpt_dir)
+    for line in recover_interrupted_writes(ckpt_dir):
+        log.warning("%s: %s", ckpt_dir, line)
     found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
     if not found:
         log.info("ckpt_path=auto: no checkpoint in %s; starting the run.", ckpt_dir)

@@ -5,8 +5,9 @@ For each strategy (DeepSpeed ZeRO-2, FSDP2, whose checkpoints are DCP directorie
 is killed three times: SIGKILL twice and SIGTERM once (a cluster's pre-emption: Lightning stops every rank at the next
 step boundary and ``ResumableCheckpoint`` writes ``interrupted-step<N>.ckpt``), each signal sent to the whole process
 group, Lightning's second rank included. Each kill waits for the attempt's first new checkpoint and then a seeded
-random delay, so it lands in a step or in the middle of a checkpoint write; every restart is the same command with
-``ckpt_path=last`` (the newest complete checkpoint; a write cut short is discarded).
+random delay, so it lands in a step or in the middle of a checkpoint write; every start is the same command with
+``ckpt_path=auto`` (the newest complete checkpoint when there is one, else a fresh start; a write cut short is
+discarded).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf
 
 MAX_STEPS = 48
-# The resume argument of every restart. ckpt_path=auto (resume when there is a checkpoint, else start) makes the first
-# start the same command too.
-RESUME = "ckpt_path=last"
+# Every start, the first included: resume from the newest complete checkpoint when there is one, else start.
+RESUME = "ckpt_path=auto"
 KILLS = (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL)
 
 
@@ -118,8 +118,8 @@ def test_a_run_killed_three_times_ends_as_the_uninterrupted_one(strategy, tmp_pa
 
     run_dir, log = tmp_path / "killed", tmp_path / "killed.out"
     rng = random.Random(f"kill-{strategy}")
-    for attempt, sig in enumerate(KILLS):
-        _kill_once([*args, *([RESUME] if attempt else [])], run_dir, sig, rng.uniform(0.0, 0.8), log)
+    for sig in KILLS:
+        _kill_once([*args, RESUME], run_dir, sig, rng.uniform(0.0, 0.8), log)
         assert not (run_dir / "metrics.json").exists() or _metrics(run_dir)["status"] != "ok"
     interrupted = sorted(p.name for p in (run_dir / "checkpoints").glob("interrupted-step*.ckpt"))
     assert interrupted, f"SIGTERM wrote no checkpoint:\n{log.read_text()[-3000:]}"

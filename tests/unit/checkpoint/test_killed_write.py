@@ -2,7 +2,7 @@
 
 Each case writes a good checkpoint, starts a second write of the same checkpoint in another process, SIGKILLs that
 process where it stalls (inside the file, between a directory's parts, between the commit's two renames), and asks
-:func:`newest_complete_checkpoint` for the checkpoint to resume from.
+``ckpt_path=last`` / ``auto`` for the checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_trainopt.checkpoint.files import save_directory_checkpoint, write_file_atomic
-from lightning_trainopt.checkpoint.verify import newest_complete_checkpoint
+from lightning_trainopt.checkpoint.verify import auto_resume_checkpoint, newest_complete_checkpoint
 from tests.helpers.compose import REPO_ROOT
 from tests.helpers.env import child_env
 
@@ -61,8 +61,17 @@ def _kill_while_writing(mode: str, path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("mode", ["file", "directory", "commit"])
-def test_a_write_killed_half_way_leaves_the_last_good_checkpoint(tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "resolve"),
+    [
+        ("file", newest_complete_checkpoint),
+        ("directory", newest_complete_checkpoint),
+        ("commit", newest_complete_checkpoint),
+        ("commit", auto_resume_checkpoint),
+    ],
+    ids=["file-last", "directory-last", "commit-last", "commit-auto"],
+)
+def test_a_write_killed_half_way_leaves_the_last_good_checkpoint(tmp_path, mode, resolve):
     path = tmp_path / "last.ckpt"
     if mode == "file":
         write_file_atomic(path, lambda f: torch.save({"w": OLD}, f))
@@ -80,7 +89,7 @@ def test_a_write_killed_half_way_leaves_the_last_good_checkpoint(tmp_path, mode)
     if mode == "commit":
         assert not path.exists()  # caught between the renames: only the moved-aside copy exists
 
-    assert newest_complete_checkpoint(tmp_path) == str(path)
+    assert resolve(tmp_path) == str(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # restored, leftovers removed
     parts = [path] if mode == "file" else [path / "part0.pt", path / "part1.pt"]
     for part in parts:
