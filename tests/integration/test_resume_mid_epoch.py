@@ -1,5 +1,8 @@
 """SIGKILL a real ``python train.py`` run in the middle of an epoch, rerun it with ``ckpt_path=last``, and compare.
 
+The last test kills the same command three times more at random moments and restarts it each time (see
+:func:`test_a_run_killed_three_times_at_random_ends_as_the_uninterrupted_one`).
+
 Each case launches three runs of the same command: one left alone, one killed with SIGKILL (the whole process group,
 Lightning's extra rank included) after its checkpoint at step ``STOP``, and the rerun of the killed one with
 ``ckpt_path=last``. The killed run stalls before step ``STOP + 1`` (``tests/integration/_stall.py``) so that the
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -212,3 +216,79 @@ def test_a_rerun_with_another_global_batch_is_refused_before_training(ddp_to_one
     assert "data.batch_size=4" in refused.stderr  # the fix: the checkpoint's 4 sequences per batch on 1 process
     # Refused from the checkpoint's saved loop state before the model is built or a process spawned.
     assert "parameters (" not in refused.stdout + refused.stderr
+
+
+# ----------------------------------------------------------------------------------------- killed at random moments
+# The same command, with last.ckpt every 3 steps and each step at least 0.1 s long, so that a kill at a random moment
+# lands among steps and checkpoint writes. Neither changes the arithmetic, so the run must end with the losses of the
+# fixture's uninterrupted run. Every start is the same command: ckpt_path=auto (the newest complete checkpoint when
+# there is one, else a fresh start; a write cut short is discarded).
+KILLS = (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL)
+OFTEN = ["+callbacks.model_checkpoint.every_n_train_steps=3", "+callbacks.pace._target_=tests.integration._pace.Pace"]
+
+
+def _often(args: list[str]) -> list[str]:
+    return [a for a in args if "every_n_train_steps" not in a] + OFTEN + ["ckpt_path=auto"]
+
+
+def _newest_checkpoint_time(run_dir: Path) -> float:
+    ckpts = run_dir / "checkpoints"
+    if not ckpts.is_dir():
+        return 0.0
+    return max((p.stat().st_mtime for p in ckpts.iterdir() if not p.name.startswith(".")), default=0.0)
+
+
+def _kill_at_random(args: list[str], run_dir: Path, sig: signal.Signals, delay: float, log: Path) -> None:
+    """Start the run, wait for a checkpoint newer than the start and ``delay`` seconds more, send ``sig`` to its
+    process group (Lightning's second rank included)."""
+    started = time.time()
+    with log.open("a") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"],
+            cwd=REPO_ROOT,
+            env=child_env(REPO_ROOT),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 300
+    try:
+        while _newest_checkpoint_time(run_dir) <= started:
+            assert proc.poll() is None, f"the run ended before its first checkpoint:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no checkpoint:\n{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        time.sleep(delay)
+        assert proc.poll() is None, f"the run ended before the kill:\n{log.read_text()[-3000:]}"
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=180)  # a SIGTERM-ed run saves and exits by itself
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+# SIGKILL, SIGTERM (a cluster's pre-emption: every rank stops at the next optimizer-step boundary and
+# interrupted-step<N>.ckpt is written) and SIGKILL again, each after the attempt's first new checkpoint and a seeded
+# random delay. Same world size and batch: the 1e-6 of the test above; a step lost or trained twice moves the loss by
+# far more.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "strategy"), [pytest.param("zero2", "zero2", marks=RunIf(deepspeed=True)), ("fsdp", "fsdp")]
+)
+def test_a_run_killed_three_times_at_random_ends_as_the_uninterrupted_one(case, strategy, request, tmp_path):
+    full = _metrics(request.getfixturevalue(case)["full"])
+    args = _often([*_command(), f"+strategy={strategy}"])
+    run_dir, log = tmp_path / "killed", tmp_path / "killed.out"
+    rng = random.Random(f"kill-{strategy}")
+    for sig in KILLS:
+        _kill_at_random(args, run_dir, sig, rng.uniform(0.0, 0.8), log)
+        assert not (run_dir / "metrics.json").exists() or _metrics(run_dir)["status"] != "ok", log.read_text()[-3000:]
+    assert list((run_dir / "checkpoints").glob("interrupted-step*.ckpt")), f"SIGTERM saved nothing:\n{log.read_text()}"
+    last = _train(args, run_dir)
+    assert last.returncode == 0, last.stderr[-3000:]
+    resumed = _metrics(run_dir)
+    assert resumed["status"] == "ok"
+    assert resumed["global_step"] == MAX_STEPS
+    assert 0 < resumed["tokens_this_run"] < MAX_STEPS * resumed["global_batch_size"] * resumed["seq_len"]
+    assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-6)
+    assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-6)
