@@ -373,9 +373,10 @@ _UNKNOWN_LINK = {
 def _with_interconnect(spec: HardwareSpec) -> HardwareSpec:
     links = _INTERCONNECT.get(spec.name, {})
     sources = dict(spec.sources)
-    rates = {}
+    rates: dict[str, float | None] = {}
     for key in ("nvlink", "network"):
-        rates[key], sources[key] = links.get(key, (None, _UNKNOWN_LINK[key]))
+        pair = links.get(key)
+        rates[key], sources[key] = pair if pair else (None, _UNKNOWN_LINK[key])
     return replace(spec, nvlink_bytes_per_s=rates["nvlink"], network_bytes_per_s=rates["network"], sources=sources)
 
 
