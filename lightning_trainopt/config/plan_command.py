@@ -124,12 +124,13 @@ def train_command(
     ]
     if inputs.num_nodes > 1:
         parts.append(f"trainer.num_nodes={inputs.num_nodes}")
-    if inputs.tensor_parallel > 1 or inputs.replicate > 1 or choices.get("strategy") == TP_STRATEGY:
-        # The planned sizes replace the user's (dropped above with the other planned keys); ++ adds or overrides.
-        parts += [
-            f"++strategy.tensor_parallel_size={inputs.tensor_parallel}",
-            f"++strategy.replicate={inputs.replicate}",
-        ]
+    # The planned sizes replace the user's (dropped above with the other planned keys); ++ adds or overrides. The
+    # fsdp_tp strategy gets both; another one only a size above 1 (FSDP2's own class takes no `replicate`).
+    tp_strategy = choices.get("strategy") == TP_STRATEGY
+    if inputs.tensor_parallel > 1 or tp_strategy:
+        parts.append(f"++strategy.tensor_parallel_size={inputs.tensor_parallel}")
+    if inputs.replicate > 1 or tp_strategy:
+        parts.append(f"++strategy.replicate={inputs.replicate}")
     return " ".join([parts[0], *_config_dirs(), *parts[1:]])
 
 

@@ -129,14 +129,15 @@ def test_plan_py_headline_names_the_default_seq_len_and_the_speed_line_each_flop
     assert "issue" not in out.lower()
 
 
-def test_plan_py_plans_tensor_parallel_and_hsdp_from_the_strategy_keys():
+def test_plan_py_plans_tensor_parallel_from_the_strategy_key():
+    # strategy.replicate is read the same way; TrainOptFSDPStrategy (+strategy=fsdp) does not take it, so plan.py
+    # refuses it there as train.py would, naming the arguments it takes.
     proc = _run(
         "model=llama_13b",
         "hardware=h100",
         "trainer.devices=8",
         "+strategy=fsdp",
         "+strategy.tensor_parallel_size=2",
-        "+strategy.replicate=2",
         "precision=bf16",
         "data.seq_len=4096",
         "data.batch_size=1",
@@ -144,8 +145,10 @@ def test_plan_py_plans_tensor_parallel_and_hsdp_from_the_strategy_keys():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
-    assert (out["tensor_parallel"], out["replicate"], out["sequence_parallel"]) == (2, 2, True)
+    assert (out["tensor_parallel"], out["replicate"], out["sequence_parallel"]) == (2, 1, True)
     assert out["data_parallel_size"] == 4
+    assert "++strategy.tensor_parallel_size=2" in out["command"]
+    assert "strategy.replicate" not in out["command"]  # TrainOptFSDPStrategy takes no replicate
     # TP 2 over NVLink: 40 layers x 4 collectives x 2 x 1/2 x b·s·h·2 B at 450 GB/s
     tp_s = out["step_time"]["serial_s"]["TP collectives (NVLink)"]
     assert tp_s == pytest.approx(40 * 4 * 2 * 0.5 * 4096 * 5120 * 2 / 450e9)
