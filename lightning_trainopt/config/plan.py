@@ -331,7 +331,8 @@ def plan(cfg: DictConfig) -> PlanResult:
     space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size, cfg, on_cuda, known)
     every, n_enum = search_plans(inputs, space, run, adam_path, allowed)
     ranked = best_per_configuration(every)
-    needs = least_parallelism(ranked, inputs.devices).message if n_enum else ""
+    max_tp = max((t for t in space.tensor_parallel if t <= inputs.devices), default=1)
+    needs = least_parallelism(ranked, max_tp).message if n_enum else ""
     if not n_enum:
         raise ConfigError(
             "plan.search_space",

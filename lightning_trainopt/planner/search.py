@@ -341,14 +341,14 @@ def _rung(c: Candidate) -> tuple[int, int]:
     return 0, 1
 
 
-def least_parallelism(ranked: Iterable[Candidate], devices_per_node: int) -> Parallelism:
+def least_parallelism(ranked: Iterable[Candidate], max_tp: int) -> Parallelism:
     """The lowest rung of DDP < ZeRO-1/2 < ZeRO-3/FSDP2 < + TP (smallest TP first) < offload with a fitting candidate,
     preferring candidates that keep all activations (recomputation and activation offload trade speed for memory;
     the articles' regimes are about where the model states and activations fit).
 
     Args:
         ranked: the search's fitting candidates, best first (:func:`search_plans`).
-        devices_per_node: a node's devices, the largest TP the search tries.
+        max_tp: the largest TP size the search tried (at most a node's devices), for the message when nothing fits.
     """
     fitting = [c for c in ranked if c.estimate.fits is not False]
     for keep_all in (True, False):
@@ -359,10 +359,11 @@ def least_parallelism(ranked: Iterable[Candidate], devices_per_node: int) -> Par
             name = _RUNGS[rung] + (f" {tp}" if rung == 3 else "")
             how = "" if keep_all else " (only with activation checkpointing, compression or offload)"
             return Parallelism(rung, name, best, keep_all, f"least parallelism that fits: {name}{how}")
+    tried = f"ZeRO-3 / FSDP2 + TP {max_tp} inside a node" if max_tp > 1 else "ZeRO-3 / FSDP2 (no TP size searched)"
     message = (
-        f"nothing fits, not even ZeRO-3 / FSDP2 + TP {devices_per_node} inside a node: the model states and "
-        "activations per device exceed its memory at this world size. More nodes (FSDP shards over them), or "
-        "pipeline parallelism (not built in lightning_trainopt), would be needed."
+        f"nothing fits, not even {tried}: the model states and activations per device exceed its memory at this "
+        "world size. More nodes (FSDP shards over them), or pipeline parallelism (not built in lightning_trainopt), "
+        "would be needed."
     )
     return Parallelism(5, "pipeline parallelism or more nodes", None, False, message)
 

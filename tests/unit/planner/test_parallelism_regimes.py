@@ -165,3 +165,8 @@ def test_planner_tokens_per_second_at_the_published_utilisation(model, seq_len, 
     tps = e.speed.tokens_per_sec_per_device
     assert tps == pytest.approx(mfu * peak / model_flops_per_token(inputs))
     assert tps == pytest.approx(published, rel=0.05)
+
+
+def test_nothing_fits_says_which_tensor_parallelism_was_searched():
+    assert "not even ZeRO-3 / FSDP2 + TP 4 inside a node" in least_parallelism([], 4).message
+    assert "not even ZeRO-3 / FSDP2 (no TP size searched)" in least_parallelism([], 1).message
