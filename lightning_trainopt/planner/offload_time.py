@@ -64,6 +64,10 @@ class Bandwidths:
         nvme_bytes_per_s: one node's NVMe drives together, bytes/s (``hardware.nvme_gb_per_s``).
         cpu_adam_params_per_s: parameters per second CPU Adam updates on one node, all its ranks together
             (``hardware.cpu_adam_params_per_s``).
+        nvlink_bytes_per_s: one device's NVLink, bytes/s in each direction, for TP collectives inside a node
+            (``hardware.nvlink_gb_per_s``).
+        network_bytes_per_s: one device's share of the node's network, bytes/s each way, for TP collectives across
+            nodes (``hardware.network_gb_per_s``).
 
     Raises:
         ConfigError: a rate that is not positive.
@@ -73,6 +77,8 @@ class Bandwidths:
     memory_bytes_per_s: float | None = None
     nvme_bytes_per_s: float | None = None
     cpu_adam_params_per_s: float | None = None
+    nvlink_bytes_per_s: float | None = None
+    network_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for key, value, unit in (
@@ -80,6 +86,8 @@ class Bandwidths:
             ("memory_gb_per_s", self.memory_bytes_per_s, _GB),
             ("nvme_gb_per_s", self.nvme_bytes_per_s, _GB),
             ("cpu_adam_params_per_s", self.cpu_adam_params_per_s, 1.0),
+            ("nvlink_gb_per_s", self.nvlink_bytes_per_s, _GB),
+            ("network_gb_per_s", self.network_bytes_per_s, _GB),
         ):
             if value is not None and not 0 < value < math.inf:
                 raise ConfigError(f"hardware.{key}", value / unit, "use a positive, finite rate.")
