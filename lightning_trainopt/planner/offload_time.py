@@ -188,14 +188,19 @@ def estimate_step_overhead(
     over_bytes = {D2H: 0.0, H2D: 0.0}
     over_what: dict[str, list[str]] = {D2H: [], H2D: []}
 
+    def charge(name: str, amount: float, rate: float | None, key: str, formula: str, per: str) -> None:
+        """A serial phase of ``amount / rate`` seconds; a missing rate names the hardware key that sets it."""
+        if device_is_host or not amount:
+            return
+        if rate is None:
+            missing.append(f"{name} (set hardware.{key})")
+            return
+        serial[name] = amount / rate
+        formulas[name] = f"{formula} = {per}"
+
     def link(name: str, nbytes: float, formula: str) -> None:
-        if device_is_host or not nbytes:
-            return
-        if pcie is None:
-            missing.append(f"{name} (set hardware.pcie_gb_per_s)")
-            return
-        serial[name] = nbytes / pcie
-        formulas[name] = f"{formula} = {_gb(nbytes)} / {_gb(pcie)}/s"
+        per = f"{_gb(nbytes)} / {_gb(pcie)}/s" if pcie else ""
+        charge(name, nbytes, pcie, "pcie_gb_per_s", formula, per)
 
     def beside(direction: str, nbytes: float, formula: str) -> None:
         if device_is_host or not nbytes:
@@ -204,13 +209,8 @@ def estimate_step_overhead(
         over_what[direction].append(formula)
 
     def cpu_step(name: str, params_per_node: float, formula: str) -> None:
-        if device_is_host or not params_per_node:
-            return
-        if adam is None:
-            missing.append(f"{name} (set hardware.cpu_adam_params_per_s)")
-            return
-        serial[name] = params_per_node / adam
-        formulas[name] = f"{formula} = {params_per_node:,.4g} params / {adam:,.3g} params/s"
+        per = f"{params_per_node:,.4g} params / {adam:,.3g} params/s" if adam else ""
+        charge(name, params_per_node, adam, "cpu_adam_params_per_s", formula, per)
 
     # Saved activations: offloaded over PCIe, or compressed and decompressed in device memory.
     act_cpu = memory.bytes("activations", "cpu")
