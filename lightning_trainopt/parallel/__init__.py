@@ -7,7 +7,14 @@ from lightning_trainopt.parallel.deepspeed import TrainOptDeepSpeedStrategy, to_
 from lightning_trainopt.parallel.deepspeed_json import load_deepspeed_json
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.fsdp import TrainOptFSDPStrategy, apply_fully_shard
-from lightning_trainopt.parallel.spec import StrategySpec, ZeroSpec, parse_strategy, spec_of
+from lightning_trainopt.parallel.spec import (
+    StrategySpec,
+    ZeroSpec,
+    parse_strategy,
+    precision_needs,
+    spec_of,
+    with_spec,
+)
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -19,9 +26,11 @@ __all__ = [
     "apply_fully_shard",
     "load_deepspeed_json",
     "parse_strategy",
+    "precision_needs",
     "preset_name",
     "spec_of",
     "strategy_info",
     "strategy_kwargs",
     "to_deepspeed_cpu_adam",
+    "with_spec",
 ]
