@@ -3,6 +3,7 @@ arguments (``config/strategy.py`` instantiates them)."""
 
 from lightning_trainopt.checkpoint.io import AtomicCheckpointIO
 from lightning_trainopt.parallel.builder import preset_name, strategy_info, strategy_kwargs
+from lightning_trainopt.parallel.ddp import DimsSampling, TrainOptDDPStrategy
 from lightning_trainopt.parallel.deepspeed import TrainOptDeepSpeedStrategy, to_deepspeed_cpu_adam
 from lightning_trainopt.parallel.deepspeed_json import load_deepspeed_json
 from lightning_trainopt.parallel.dims import ParallelDims
@@ -18,8 +19,10 @@ from lightning_trainopt.parallel.spec import (
 
 __all__ = [
     "AtomicCheckpointIO",
+    "DimsSampling",
     "ParallelDims",
     "StrategySpec",
+    "TrainOptDDPStrategy",
     "TrainOptDeepSpeedStrategy",
     "TrainOptFSDPStrategy",
     "ZeroSpec",
