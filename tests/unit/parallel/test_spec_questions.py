@@ -294,5 +294,12 @@ def test_a_strategy_carries_its_answers_for_the_rooms_below(tmp_path):
     assert with_spec(ours).spec is ours.spec  # its own spec is kept
     stock = with_spec(DDPStrategy())
     assert (stock.spec.kind, stock.spec.wraps_in_engine, stock.spec.builds_partitioned) == ("ddp", False, False)
-    built = build_strategy(_preset("ddp", tmp_path), PrecisionSpec("bf16", "bf16-mixed"), {"devices": 1})
-    assert built.spec == parse_strategy(_preset("ddp", tmp_path))
+    bf16 = PrecisionSpec("bf16", "bf16-mixed")
+    # The builder gives Lightning's own class the spec of the node it was built from.
+    node = {"_target_": "lightning.pytorch.strategies.DDPStrategy", "name": "mine"}
+    built = build_strategy(node, bf16, {"devices": 1})
+    assert type(built) is DDPStrategy
+    assert built.spec == parse_strategy(node)
+    assert built.spec.name == "mine"
+    preset = build_strategy(_preset("ddp", tmp_path), bf16, {"devices": 1})
+    assert (preset.spec.name, preset.spec.kind) == ("ddp", "ddp")
