@@ -481,9 +481,9 @@ def check_rewrite_table(p: PreflightInput) -> None:
     Raises:
         IncompatibleConfigError: the first refused pair, naming the technique's key and the strategy.
     """
-    from lightning_trainopt.parallel.compat_table import TECHNIQUE_KEYS, TECHNIQUES, cell, family_of
+    from lightning_trainopt.parallel.compat_table import TECHNIQUE_KEYS, TECHNIQUES, cell
 
-    family = family_of(p.strategy.kind, p.strategy.zero_stage, p.strategy.fsdp_version)
+    family = p.strategy.family
     if family is None:
         return
     for technique in TECHNIQUES:

@@ -42,6 +42,7 @@ from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.models import LitGPT
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
+from lightning_trainopt.parallel.spec import precision_needs
 from lightning_trainopt.precision import trainer_precision_kwargs
 
 __all__ = [
@@ -314,7 +315,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks=callbacks,
         logger=loggers or False,
         default_root_dir=str(run_dir),
-        **trainer_precision_kwargs(precision, strategy, accelerator),
+        **trainer_precision_kwargs(precision, precision_needs(strategy), accelerator),
     )
     use_atomic_checkpoint_io(trainer.strategy)
     oom = False

@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_trainopt._compat.lightning_internals import module_trainer
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
 from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
-from lightning_trainopt.models.optimization import OptimizerFactory
+from lightning_trainopt.models.optimization import OptimizerFactory, strategy_answers
 from lightning_trainopt.transforms.chunked_loss import head_returns_loss
 from lightning_trainopt.transforms.compile import compile_model
 
@@ -40,10 +39,10 @@ def _check_plain_logits(hf_config: Any, loss: Any) -> None:
             )
 
 
-def _zero3_building(module: LitLanguageModel) -> bool:
-    """The module is being built inside DeepSpeed ZeRO-3's ``zero.Init`` (its strategy shards parameters at build)."""
-    trainer = module_trainer(module)
-    return trainer is not None and bool(getattr(trainer.strategy, "zero_stage_3", False))
+def _building_partitioned(module: LitLanguageModel) -> bool:
+    """The module is being built partitioned (DeepSpeed ZeRO-3's ``zero.Init``): its strategy's answer."""
+    answers = strategy_answers(module)
+    return answers is not None and answers.builds_partitioned
 
 
 def _saved_tensors(weights: Path) -> dict[str, Path]:
@@ -158,13 +157,13 @@ class LitCausalLM(LitLanguageModel):
         # into the empty placeholders).
         on_meta = torch.empty(0).device.type == "meta"
         with self.build_dtype():
-            if weights is None or on_meta or _zero3_building(self):
+            if weights is None or on_meta or _building_partitioned(self):
                 model = auto.from_config(self.hf_config, attn_implementation=attn)
             else:
                 model = auto.from_pretrained(
                     str(weights), config=self.hf_config, attn_implementation=attn, local_files_only=True
                 )
-        if weights is not None and not on_meta and _zero3_building(self):
+        if weights is not None and not on_meta and _building_partitioned(self):
             _load_partitioned(model, weights)
             # The weights are the checkpoint's: the strategy's re-run of the model's init must leave them.
             model._trainopt_initialized = True

@@ -17,6 +17,7 @@ from lightning_trainopt._compat.lightning_internals import PathLike, shard_fully
 from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
+from lightning_trainopt.parallel.ddp import DimsSampling
 from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
@@ -41,7 +42,7 @@ def _without_configure_model_check(module: pl.LightningModule) -> Iterator[None]
         module.__dict__.pop("configure_model", None)
 
 
-class TrainOptFSDPStrategy(ModelParallelStrategy):
+class TrainOptFSDPStrategy(DimsSampling, ModelParallelStrategy):
     """FSDP2 full sharding over all processes (no tensor parallelism), usable with any LightningModule.
 
     After ``configure_model`` builds the model (a LightningModule without one works too: its model is built in

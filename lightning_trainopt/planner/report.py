@@ -87,8 +87,7 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     if result.seq_len_note:
         console.print(f"[yellow]note:[/] {result.seq_len_note}")
     console.print(
-        f"precision {i.trainer_precision} | strategy {i.layout.name} ({i.layout.kind}"
-        f"{', ZeRO-' + str(i.layout.zero_stage) if i.layout.zero_stage else ''}) | activations "
+        f"precision {i.trainer_precision} | strategy {i.layout.name} ({i.layout.label}) | activations "
         f"{ch.get('activations', i.activations.name)} | optimizer {i.optimizer.name} | micro-batch {i.micro_batch} x "
         f"{i.seq_len} tokens x accumulate {i.accumulate}"
     )

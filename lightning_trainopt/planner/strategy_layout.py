@@ -115,6 +115,13 @@ class StrategyQuestions:
         return self.kind == "deepspeed"
 
     @property
+    def builds_partitioned(self) -> bool:
+        """The model's parameters are created already partitioned while it is built (DeepSpeed ZeRO-3's
+        ``zero.Init``): weights must be copied in one gathered parameter at a time, and the build dtype is the
+        engine's."""
+        return self.wraps_in_engine and self.shards_params
+
+    @property
     def own_precision_plugin(self) -> bool:
         """The strategy needs its own Lightning precision plugin (DeepSpeedPrecision, FSDPPrecision)."""
         return self.kind in ("deepspeed", "fsdp")
@@ -176,6 +183,11 @@ class StrategyLayout(StrategyQuestions):
     max_in_cpu: int = 1_000_000_000
     buckets_sized_to_model: bool = False
     reshard_after_forward: bool = True
+
+    @property
+    def label(self) -> str:
+        """Its kind as the plan's header prints it: ``ddp``, ``fsdp``, ``deepspeed, ZeRO-3``."""
+        return f"{self.kind}, ZeRO-{self.zero_stage}" if self.zero_stage else self.kind
 
     def bucket_numel(self, n_params: int) -> int:
         """Elements of the reduce bucket DeepSpeed allocates for a model of ``n_params`` parameters."""

@@ -59,6 +59,7 @@ def test_fsdp2_run_rewrites_in_the_documented_order(tmp_path, monkeypatch):
     from lightning_trainopt.config.model_factory import build_lightning_module
     from lightning_trainopt.config.strategy import build_strategy
     from lightning_trainopt.launch.train import _instantiate_named
+    from lightning_trainopt.parallel.spec import precision_needs
     from lightning_trainopt.precision.plugins import trainer_precision_kwargs
 
     order: list[str] = []
@@ -112,7 +113,7 @@ def test_fsdp2_run_rewrites_in_the_documented_order(tmp_path, monkeypatch):
         enable_checkpointing=False,
         enable_progress_bar=False,
         callbacks=activations,
-        **trainer_precision_kwargs(precision, strategy, "cpu"),
+        **trainer_precision_kwargs(precision, precision_needs(strategy), "cpu"),
     )
     trainer.fit(module, datamodule=instantiate(cfg.data))
     assert order.index("convert") < order.index("checkpoint") < order.index("compile") < order.index("shard")
