@@ -9,9 +9,14 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_trainopt._compat.lightning_internals import module_trainer
-from lightning_trainopt.planner.strategy_layout import StrategyQuestions
+from lightning_trainopt.planner.strategy_layout import StrategyQuestions, registered_answers
 
-__all__ = ["OptimizerFactory", "configure_optimizers", "decay_param_groups", "strategy_answers"]
+__all__ = [
+    "OptimizerFactory",
+    "configure_optimizers",
+    "decay_param_groups",
+    "strategy_answers",
+]
 
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
 
@@ -38,14 +43,19 @@ def decay_param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float
 
 
 def strategy_answers(module: pl.LightningModule) -> StrategyQuestions | None:
-    """What the module's strategy does (``trainer.strategy.spec``), or ``None`` without a Trainer or a spec.
+    """What the module's strategy does, or ``None`` without a Trainer.
 
-    The answers are worked out in ``parallel/`` and carried by the strategy (our strategies carry their own; the
-    app's builder and ``lightning_trainopt.parallel.with_spec`` give one to Lightning's), so this room never tests a
-    strategy's class. Without a spec the strategy is taken to need nothing of the module: one device or DDP.
+    The answers are worked out in ``parallel/``: carried by the strategy (``trainer.strategy.spec``: our strategies
+    carry their own; the app's builder and ``lightning_trainopt.parallel.with_spec`` give one to Lightning's), else
+    asked of the answerer ``parallel/`` registered (:func:`answer_strategies_with`), so this room never tests a
+    strategy's class.
     """
     trainer = module_trainer(module)
-    answers = getattr(trainer.strategy, "spec", None) if trainer is not None else None
+    if trainer is None:
+        return None
+    answers = getattr(trainer.strategy, "spec", None)
+    if not isinstance(answers, StrategyQuestions):
+        answers = registered_answers(trainer.strategy)
     return answers if isinstance(answers, StrategyQuestions) else None
 
 

@@ -11,12 +11,20 @@ parameters?" with one definition, and callers ask (``spec.shards_params``) inste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
-__all__ = ["MODEL_SIZED_BUCKET_CAP", "StrategyLayout", "StrategyQuestions", "model_sized_bucket"]
+__all__ = [
+    "MODEL_SIZED_BUCKET_CAP",
+    "StrategyLayout",
+    "StrategyQuestions",
+    "answer_strategies_with",
+    "model_sized_bucket",
+    "registered_answers",
+]
 
 _KINDS = ("single", "ddp", "fsdp", "deepspeed")
 _PLACES = ("none", "cpu", "nvme")
@@ -228,3 +236,21 @@ class StrategyLayout(StrategyQuestions):
     def has_strategy(self) -> bool:
         """A ``+strategy`` runs (``single``: one device, Lightning's default, none)."""
         return self.kind != "single"
+
+
+_ANSWERER: list[Callable[[Any], StrategyQuestions]] = []
+
+
+def answer_strategies_with(answerer: Callable[[Any], StrategyQuestions]) -> None:
+    """Register how a built strategy is answered: ``parallel/`` registers its ``spec_of`` when it is imported.
+
+    The rooms below ``parallel/`` (``models/``) ask about a user's own strategy (Lightning's ``DeepSpeedStrategy``
+    built around our modules, carrying no spec) through :func:`registered_answers`: ``parallel/`` hands its answerer
+    down here instead of being imported by them, and the package's ``__init__`` imports it, so it is always there.
+    """
+    _ANSWERER[:] = [answerer]
+
+
+def registered_answers(strategy: Any) -> StrategyQuestions | None:
+    """The registered answerer's :class:`StrategyQuestions` for ``strategy`` (``None`` when none is registered)."""
+    return _ANSWERER[0](strategy) if _ANSWERER else None

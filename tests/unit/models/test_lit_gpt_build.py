@@ -45,9 +45,9 @@ def test_the_module_reads_the_strategys_answers_not_its_class():
 
     # Ours carry their spec from __init__.
     assert _built(TrainOptDeepSpeedStrategy(stage=2), "bf16-mixed", answers=False) == {torch.bfloat16}
-    # Lightning's own, without the answers parallel/ gives it (with_spec, or the app's builder), is asked nothing:
-    # the module builds as under DDP.
-    assert _built(DeepSpeedStrategy(stage=2), "bf16-mixed", answers=False) == {torch.float32}
+    # Lightning's own, built by a user without with_spec: the answerer parallel/ registers when the package is
+    # imported answers it, so a user's own Trainer builds as before (half weights under ZeRO-2).
+    assert _built(DeepSpeedStrategy(stage=2), "bf16-mixed", answers=False) == {torch.bfloat16}
 
 
 def test_half_build_draws_the_weights_an_fp32_build_rounds_to():
