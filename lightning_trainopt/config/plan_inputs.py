@@ -302,7 +302,7 @@ def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
     from lightning_trainopt.config.plan_precision import with_planned_loss
 
     module = with_planned_loss(meta_module(cfg), cfg)
-    return module_plan_profile(module, model_name(cfg, module), module_max_seq_len(module))
+    return module_plan_profile(module, model_name(cfg.model.get("name"), module), module_max_seq_len(module))
 
 
 def _strategy_value(node: Any, key: str, default: Any) -> Any:

@@ -16,6 +16,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from omegaconf import OmegaConf
 
 from lightning_trainopt.callbacks import CostMonitor, MicroBatchFinder, SpeedMonitor
+from lightning_trainopt.config.run_spec import DataSpec
 from lightning_trainopt.data.resumable_loader import ResumableDataLoader
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.launch.run_clock import RunClock
@@ -263,9 +264,9 @@ def test_metrics_json_reports_the_data_parallel_size_beside_the_world_size():
         clock.on_train_batch_end(trainer, None, None, torch.zeros(4, 16), 0)
     clock.on_train_end(trainer, None)
     assert clock.dims == DP2_TP2  # read (and the sampler checked) when training started
-    cfg = OmegaConf.create({"data": {"batch_size": 4, "seq_len": 16}})
+    data = DataSpec(batch_size=4, seq_len=16, batch_chosen_at_run_time=False, node={})
     precision = SimpleNamespace(name="bf16", trainer_precision="bf16-mixed")
-    metrics = _collect_metrics(cfg, trainer, torch.nn.Linear(2, 2), "m", clock, precision, {}, 12.0, None, {})
+    metrics = _collect_metrics(data, trainer, torch.nn.Linear(2, 2), "m", clock, precision, {}, 12.0, None, {})
     assert metrics["world_size"] == 4
     assert metrics["data_parallel_size"] == 2
     assert metrics["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
