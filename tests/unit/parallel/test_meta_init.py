@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import GPT
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.parallel.meta_init import materialize_sharded
@@ -84,7 +85,7 @@ def test_a_module_nothing_initialises_is_refused():
 
     with torch.device("meta"):
         root = torch.nn.Sequential(Bare())
-    with pytest.raises(NotImplementedError, match="nothing initialises"):
+    with pytest.raises(ConfigError, match="nothing initialises"):
         materialize_sharded(root, torch.device("cpu"))
 
 
