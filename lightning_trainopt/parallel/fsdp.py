@@ -56,9 +56,9 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
         preset: name reported in metrics.
-        meta_init: build our GPT presets on the meta device and initialise each rank's shards after ``fully_shard``
-            (the same values as a whole build from the same seed; a rank never holds the whole model). ``False``:
-            build the whole model in host memory on every rank first.
+        meta_init: build the model on the meta device (:meth:`builds_on_meta`) and initialise each rank's shards
+            after ``fully_shard``, or read them from ``model.pretrained`` (a rank never holds the whole model).
+            ``False``: build the whole model in host memory on every rank first.
         **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments.
 
     Example::

@@ -1,24 +1,35 @@
-"""Materialise a model built on the ``meta`` device and sharded by FSDP2, with the values an eager build draws.
+"""Materialise a model built on the ``meta`` device and sharded by FSDP2, with the values an eager build draws, or
+with each rank's slices of saved weights.
 
 A rank then never holds the whole model: ``fully_shard`` runs on meta parameters (shapes only), ``to_empty`` gives
-each rank storage for its own shards, and the model's init is replayed one module at a time, each parameter drawn
+each rank storage for its own shards, and the model's build is replayed one module at a time, each parameter drawn
 whole into a temporary (the random numbers must be drawn in the eager build's order to give its values) of which the
 rank keeps only its rows.
 
 The replay follows what building the model eagerly does to the CPU generator, from the generator state the build
 started from (the same seed gives the same weights as a build without meta, on any device, because an eager FSDP2
-build also draws on the CPU: Lightning's ``ModelParallelStrategy`` gives ``configure_model`` no device):
+build also draws on the CPU: Lightning's ``ModelParallelStrategy`` gives ``configure_model`` no device), as
+:func:`build_order` lists it:
 
 1. construction: each module that holds parameters itself runs its ``reset_parameters()`` (``nn.Linear``'s kaiming
    uniform, ``nn.Embedding``'s normal, a norm's ones), in ``modules()`` order, i.e. the order ``__init__`` built them;
 2. the owner's init: the outermost module with a per-module ``_init_weights(module)`` (our ``GPT``) calls it for each
    of its modules in ``modules()`` order, each shared (tied) parameter once, as ``GPT.reset_parameters`` does.
 
+A Hugging Face model interleaves the two as transformers does (each nested ``PreTrainedModel`` is constructed and
+initialised by its own ``post_init`` before its parent goes on; the init walks children first): see
+:func:`lightning_trainopt._compat.transformers_internals.build_order`. A tied parameter keeps the value drawn at its
+owning slot (the input embedding), as transformers' ``tie_weights`` does after the head drew its own.
+
+With saved weights (:func:`load_sharded`) nothing is drawn: each rank reads its rows of each tensor
+(``safetensors`` ``get_slice``), and only buffers the files lack are filled by the model's init.
+
 Host memory: a parameter that step 2 rewrites is not written in step 1 (its draw only advances the generator, into a
 temporary), so untouched shard pages stay unmapped until step 2 writes them; the peak is the shards plus one whole
 parameter (the embedding). Which parameters step 2 rewrites is found by a dry run on the meta device (an in-place
 init bumps the tensor's version counter); a parameter step 2 writes is taken as wholly rewritten by it (true of
-``normal_``-style inits; the equality test of ``tests/unit/parallel/test_meta_init.py`` checks it for our GPT).
+``normal_``-style inits; the equality tests of ``tests/unit/parallel/test_meta_init.py`` and ``test_meta_build.py``
+check it for our GPT and a Hugging Face Llama).
 """
 
 from __future__ import annotations
@@ -170,33 +181,32 @@ def _provide_storage(root: nn.Module, metas: list[nn.Module], device: torch.devi
     return {(id(group[0][0]), group[0][1]) for group in slots.values()}
 
 
-def _read_piece(reader: Callable[[str], torch.Tensor | Any], name: str, piece: tuple[int, int, int] | None) -> Any:
-    """This rank's piece of the saved tensor ``name`` (``piece`` as :func:`_local_range` gives it; ``None``: whole)."""
-    view = reader(name)
-    if piece is None:
-        return view[:]
-    dim, start, length = piece
-    return view[(slice(None),) * dim + (slice(start, start + length),)]
+def _read_piece(path: Path, name: str, piece: tuple[int, int, int] | None, saved: Mapping[str, Any]) -> Any:
+    """This rank's piece of the saved tensor ``name`` (``piece`` as :func:`_local_range` gives it; ``None``: whole).
+
+    A safetensors file is opened for this one tensor: ``get_slice`` reads only the slice's bytes through a memory map,
+    and closing the file drops those pages from the rank's RSS, so they never add up over the model. ``saved``: the
+    memory-mapped ``torch.load`` of a ``.bin`` file (only the pages of the slice are read).
+    """
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            view = f.get_slice(name)
+            if piece is None:
+                return view[:]
+            dim, start, length = piece
+            return view[(slice(None),) * dim + (slice(start, start + length),)]
+    whole = saved[name]
+    return whole if piece is None else whole.narrow(piece[0], piece[1], piece[2])
 
 
-@contextmanager
-def _readers(files: Mapping[str, Path]) -> Iterator[dict[Path, Callable[[str], Any]]]:
-    """``{file: name -> sliceable view}``: safetensors' ``get_slice`` (reads only the bytes of the slice taken), or a
-    memory-mapped ``torch.load`` of a ``.bin`` file (only the pages of the slice are read)."""
-    from contextlib import ExitStack
+class _MappedBin(dict):  # type: ignore[type-arg]
+    """A ``torch.save`` file's tensors, memory-mapped (nothing read until a slice is copied)."""
 
-    from safetensors import safe_open
-
-    readers: dict[Path, Callable[[str], Any]] = {}
-    with ExitStack() as stack:
-        for path in sorted(set(files.values())):
-            if path.suffix == ".safetensors":
-                handle = stack.enter_context(safe_open(str(path), framework="pt"))
-                readers[path] = handle.get_slice
-            else:
-                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                readers[path] = saved.__getitem__
-        yield readers
+    def __init__(self, path: Path) -> None:
+        super().__init__(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        self.path = path
 
 
 def load_sharded(model: nn.Module, files: Mapping[str, Path]) -> set[int]:
@@ -239,12 +249,16 @@ def load_sharded(model: nn.Module, files: Mapping[str, Path]) -> set[int]:
             f"{len(unexpected)} {unexpected[:8]}; point it at a save_pretrained directory of this architecture and "
             "config, or set strategy.meta_init=false to load with from_pretrained.",
         )
-    with _readers(files) as readers, torch.no_grad():
-        for key, group in names.items():
-            name = next(n for n in group if n in files)
+    # File by file (a .bin file is mapped once); each tensor under the first of its names the files hold.
+    chosen = {key: next(n for n in group if n in files) for key, group in names.items()}
+    todo = sorted(((files[name], name, key) for key, name in chosen.items()), key=lambda item: (str(item[0]), item[1]))
+    saved: Mapping[str, Any] = {}
+    with torch.no_grad():
+        for path, name, key in todo:
+            if path.suffix != ".safetensors" and getattr(saved, "path", None) != path:
+                saved = _MappedBin(path)
             t = tensors[key]
-            piece = _read_piece(readers[files[name]], name, _local_range(t))
-            _local(t).copy_(piece.to(_local(t).dtype))
+            _local(t).copy_(_read_piece(path, name, _local_range(t), saved).to(_local(t).dtype))
     return set(names)
 
 

@@ -145,8 +145,8 @@ def worker(rank: int, port: int, workdir: str, results: dict) -> None:
     read: list[int] = []
     original = meta_init._read_piece
 
-    def counting(reader: Any, name: str, piece: Any) -> Any:
-        tensor = original(reader, name, piece)
+    def counting(*args: Any) -> Any:
+        tensor = original(*args)
         read.append(tensor.numel())
         return tensor
 
@@ -179,4 +179,42 @@ def worker(rank: int, port: int, workdir: str, results: dict) -> None:
         "n_weights": len(user_meta.weights),
         "losses": user_meta.losses,
     }
+    out["gpt"] = _gpt_preset()
     results[rank] = out
+
+
+def _gpt_preset() -> dict[str, Any]:
+    """Our GPT, sharded by hand with ``fully_shard`` on the process group the fits left, against a whole build."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_trainopt.models import GPT
+    from lightning_trainopt.models.config import GPTConfig
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    # Odd sizes: the vocabulary (67 rows) does not split evenly over 2 ranks, so FSDP2 pads rank 1's shard.
+    shape = GPTConfig(name="meta", vocab_size=VOCAB, n_layers=2, d_model=32, n_heads=2, ffn_hidden=48, max_seq_len=16)
+    torch.manual_seed(SEED)
+    eager = GPT(shape)
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(SEED)
+    state = torch.get_rng_state()
+    with torch.device("meta"):
+        model = GPT(shape)
+    torch.manual_seed(999)  # whatever ran between the build and the replay
+    mesh = init_device_mesh("cpu", (2,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    n = meta_init.materialize_sharded(model, torch.device("cpu"), state)
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return {
+        "n": n,
+        "equal": [name for name, p in eager.named_parameters() if torch.equal(p, full[name])],
+        "names": [name for name, _ in eager.named_parameters()],
+        "rng_as_after_eager": torch.equal(torch.get_rng_state(), after_eager),
+        "local_rows": model.embed.weight.to_local().shape[0],
+        "tied": model.lm_head.weight is model.embed.weight,
+    }

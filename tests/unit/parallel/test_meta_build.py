@@ -1,5 +1,6 @@
-"""FSDP2 builds a Hugging Face model (from its config or ``model.pretrained``) and a user's module on the meta device;
-each rank initialises, or reads from the saved files, only its shards."""
+"""FSDP2 builds our GPT, a Hugging Face model (from its config or ``model.pretrained``) and a user's module on the
+meta device; each rank initialises, or reads from the saved files, only its shards. One 2-rank spawn checks them all
+(``_meta_build_worker.py``)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def two_ranks(tmp_path_factory) -> dict:
     results = mp.Manager().dict()
     mp.spawn(w.worker, args=(_port(), str(workdir), results), nprocs=2, join=True)
     return dict(results)
+
+
+def test_our_gpt_each_rank_holds_its_shard_of_the_same_weights_as_a_whole_build(two_ranks):
+    for rank in (0, 1):
+        got = two_ranks[rank]["gpt"]
+        assert got["equal"] == got["names"]  # every parameter, bit for bit
+        assert got["n"] == len(got["names"])
+        assert got["tied"]
+        assert got["rng_as_after_eager"]  # later draws (dropout, data order) match a whole build's too
+    assert (two_ranks[0]["gpt"]["local_rows"], two_ranks[1]["gpt"]["local_rows"]) == (34, 33)
 
 
 def test_a_hugging_face_model_from_its_config_gets_a_whole_build_s_weights_shard_by_shard(two_ranks):
