@@ -298,13 +298,31 @@ def materialize_sharded(
         the number of parameters materialised.
 
     Raises:
-        ConfigError: a module with meta parameters or buffers that nothing initialises (key ``strategy.meta_init``);
+        ConfigError: a module with meta parameters or buffers that nothing initialises, or parameters with values
+            beside meta ones (key ``strategy.meta_init``);
             a saved tensor missing or unexpected (key ``model.pretrained``).
         NotImplementedError: a sharding other than FSDP2's 1-D ``Shard``.
     """
     metas = [m for m in root.children() if has_meta_tensors(m)]
     if not metas:
         return 0
+    # to_empty would drop the values of parameters that already have some (loaded with assign=True, or built off
+    # the meta device inside configure_model) beside the meta ones.
+    valued = [
+        f"{name}.{p_name} ({own_class(sub).__name__})"
+        for m in metas
+        for name, sub in m.named_modules(prefix=next(n for n, c in root.named_children() if c is m))
+        for p_name, p in sub.named_parameters(recurse=False)
+        if not p.is_meta
+    ]
+    if valued:
+        raise ConfigError(
+            "strategy.meta_init",
+            True,
+            f"{valued[:4]} hold values (loaded, or built off the meta device) beside parameters built on the meta "
+            "device, which the shard-by-shard initialisation would overwrite; set strategy.meta_init=false to build "
+            "the whole model on every rank.",
+        )
     owners = _provide_storage(root, metas, device)
     params = {id(p) for m in metas for p in m.parameters()}
     empty_buffers = {id(b) for m in metas for b in m.buffers()}

@@ -117,6 +117,16 @@ def test_a_module_with_parameters_nothing_initialises_is_refused_naming_it_and_t
     assert err.value.key == "strategy.meta_init"
 
 
+def test_parameters_with_values_beside_meta_ones_are_refused_not_overwritten():
+    # A user's configure_model that loads part of its weights with load_state_dict(assign=True) on the meta device.
+    with torch.device("meta"):
+        root = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    root[0][1].load_state_dict({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, assign=True)
+    with pytest.raises(ConfigError, match=r"0\.1\.weight \(Linear\).*strategy.meta_init=false"):
+        materialize_sharded(root, torch.device("cpu"))
+    assert torch.equal(root[0][1].weight, torch.ones(2, 2))
+
+
 def test_a_meta_buffer_nothing_fills_is_refused():
     class WithTable(torch.nn.Module):
         def __init__(self) -> None:
