@@ -152,7 +152,8 @@ class LitCausalLM(LitLanguageModel):
         auto = transformers.AutoModelForCausalLM
         attn = self.spec.attn_implementation
         weights = self.spec.weights_dir()
-        # On the meta device (a planner's copy) there is nothing to load; under ZeRO-3 the model is built partitioned
+        # On the meta device (a planner's copy, or FSDP2's meta build: each rank then reads its slices of the files,
+        # pretrained_files) there is nothing to load; under ZeRO-3 the model is built partitioned
         # and the weights are copied in one gathered parameter at a time (from_pretrained would write whole tensors
         # into the empty placeholders).
         on_meta = torch.empty(0).device.type == "meta"
@@ -172,6 +173,14 @@ class LitCausalLM(LitLanguageModel):
             # In place, block by block (the head stays eager): the one way this package compiles.
             compile_model(model)
         self.model = model
+
+    def pretrained_files(self) -> tuple[torch.nn.Module, dict[str, Path]] | None:
+        """``(the Hugging Face model, {tensor name: file})`` of ``model.pretrained`` for a model built on the meta
+        device that a sharding strategy fills slice by slice; ``None`` without ``model.pretrained``."""
+        weights = self.spec.weights_dir()
+        if weights is None or self.model is None:
+            return None
+        return self.model, _saved_tensors(weights)
 
     @override
     def forward(
