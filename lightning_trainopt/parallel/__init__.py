@@ -8,6 +8,7 @@ from lightning_trainopt.parallel.deepspeed_json import load_deepspeed_json
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.fsdp import TrainOptFSDPStrategy, apply_fully_shard
 from lightning_trainopt.parallel.spec import StrategySpec, ZeroSpec, parse_strategy, spec_of
+from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -15,6 +16,7 @@ __all__ = [
     "StrategySpec",
     "TrainOptDeepSpeedStrategy",
     "TrainOptFSDPStrategy",
+    "TrainOptTPStrategy",
     "ZeroSpec",
     "apply_fully_shard",
     "load_deepspeed_json",

@@ -89,7 +89,7 @@ def test_the_steps_run_in_order_and_the_model_trains():
     assert torch.isfinite(torch.tensor(loss))
 
 
-def test_tensor_parallel_is_a_named_step_that_refuses_for_now():
+def test_tensor_parallel_is_a_named_step_that_refuses_without_its_mesh():
     with pytest.raises(ConfigError, match=r"strategy.tensor_parallel_size=2"):
         apply_rewrites(GPT(SHAPE), RewritePlan(tensor_parallel=2))
 
