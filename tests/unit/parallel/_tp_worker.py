@@ -7,6 +7,9 @@ for tests/unit/parallel/test_tp.py:
 * ``raw``: for our GPT and a tiny Hugging Face Llama, the losses of the parallel model and of a whole model trained
   on the same global batch (what DDP computes), step by step, with gradient clipping over a mix of DTensor and
   plain parameters (an extra plain layer), and the parameter elements this rank holds against the whole model's;
+* ``walk``: each OK cell of the ``tp`` and ``fsdp_tp`` columns of the technique x strategy table, applied by
+  ``apply_rewrites`` (conversions, TP, activation techniques, compile) to our GPT, ``fully_shard``-ed over the
+  data-parallel ranks for ``fsdp_tp``: the loss of one forward and backward against a whole model's;
 * ``fit``: a Lightning fit with ``TrainOptTPStrategy``: ParallelDims, the sampler's sharding, the batches read,
   the logged losses, and the global gradient norm Lightning clipped to.
 
@@ -34,16 +37,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.gpt import GPT  # noqa: E402
 from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
-from lightning_trainopt.parallel.apply import apply_fully_shard  # noqa: E402
+from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites  # noqa: E402
+from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES  # noqa: E402
 from lightning_trainopt.parallel.dims import ParallelDims  # noqa: E402
 from lightning_trainopt.parallel.tp import apply_tensor_parallel, clip_grad_norm_  # noqa: E402
 from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy  # noqa: E402
+from lightning_trainopt.precision.spec import PrecisionSpec  # noqa: E402
+from lightning_trainopt.transforms.checkpointing import CheckpointPolicy  # noqa: E402
+from lightning_trainopt.transforms.offload import CpuOffloader  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data  # noqa: E402
 
 VOCAB, SEQ, STEPS, CLIP = 64, 16, 4, 0.5
 SHAPE = GPTConfig(
     name="tp-test", vocab_size=VOCAB, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=SEQ
 )
+
+
+class Holder(nn.Module):
+    """Holds the model as a LightningModule does (FSDP2 shards the blocks, then the model as one unit)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
 
 
 def _hf_llama() -> nn.Module:
@@ -84,8 +102,7 @@ def raw(kind: str, dims: ParallelDims, rank: int) -> dict[str, Any]:
     if dims.dp > 1:
         block = "Block" if kind == "gpt" else "LlamaDecoderLayer"
         # As the app shards a LightningModule: the blocks, then the model (a tied embedding and head) as one unit.
-        holder = nn.Module()
-        holder.model = model
+        holder = Holder(model)
         apply_fully_shard(holder, [block], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
     opt_whole = torch.optim.AdamW([*whole.parameters(), *extra.parameters()], lr=1e-2)
     opt = torch.optim.AdamW([*model.parameters(), *model_extra.parameters()], lr=1e-2)
@@ -123,6 +140,48 @@ def raw(kind: str, dims: ParallelDims, rank: int) -> dict[str, Any]:
         "norm_elements": norm_numel,
         "local_elements_tp": local_after_tp,
     }
+
+
+def _technique_plan(technique: str) -> RewritePlan:
+    plans = {
+        "keep_fp32": RewritePlan(
+            precision=PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=("RMSNorm",))
+        ),
+        "checkpoint": RewritePlan(checkpoint=CheckpointPolicy()),
+        "offload": RewritePlan(saved_tensors=CpuOffloader(pin_memory=False, min_numel=1)),
+        "compile": RewritePlan(compile=True),
+    }
+    return RewritePlan(**{**plans[technique].__dict__, "tensor_parallel": 2})
+
+
+def walk(dims: ParallelDims) -> dict[str, Any]:
+    """Every OK cell of the tp and fsdp_tp columns: one forward and backward against a whole model's loss."""
+    mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    got: dict[str, Any] = {}
+    for family in ("tp", "fsdp_tp"):
+        for technique in (t for t in TECHNIQUES if TABLE[t][family] is None and t != "chunked_ce"):
+            cell = f"{technique}+{family}"
+            try:
+                torch.manual_seed(0)
+                whole = GPT(SHAPE)
+                holder = Holder(copy.deepcopy(whole))
+                plan = _technique_plan(technique)
+                steps = apply_rewrites(holder, plan, tp_mesh=mesh["tp"]).steps
+                if family == "fsdp_tp":
+                    apply_fully_shard(holder, ["Block"], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
+                bf16 = technique == "keep_fp32"
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    want = float(_loss("gpt", whole, batch))
+                with loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = _loss("gpt", holder, batch)
+                    loss.backward()
+                value = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+                grads = all(p.grad is not None for p in holder.parameters())
+                got[cell] = {"loss": value, "want": want, "steps": steps, "grads": grads}
+            except Exception as err:  # recorded per cell, so one failure names its cell
+                got[cell] = {"error": f"{type(err).__name__}: {err}"}
+    return got
 
 
 class Probe(pl.Callback):
@@ -183,6 +242,7 @@ def main(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_world(world, tp=2)
     seen: dict[str, Any] = {"rank": rank, "raw": {kind: raw(kind, dims, rank) for kind in ("gpt", "hf")}}
+    seen["walk"] = walk(dims)
     seen["fit"] = fit(dims)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 

@@ -173,3 +173,48 @@ def test_presets_give_the_dims(preset, overrides, dims):
 def test_replicas_that_do_not_divide_the_world_are_refused_naming_the_key():
     with pytest.raises(IncompatibleConfigError, match="strategy.replicate"):
         parallel_dims_of(4, 1, {"tensor_parallel_size": 2, "replicate": 3})
+
+
+@pytest.mark.slow
+def test_every_ok_tp_and_fsdp_tp_cell_composes_and_matches_a_whole_model(ranks):
+    from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES
+
+    cells = {f"{t}+{f}" for f in ("tp", "fsdp_tp") for t in TECHNIQUES if TABLE[t][f] is None and t != "chunked_ce"}
+    assert cells == {f"{t}+{f}" for t in ("keep_fp32", "checkpoint", "offload", "compile") for f in ("tp", "fsdp_tp")}
+    for seen in ranks:
+        assert set(seen["walk"]) == cells
+        for cell, got in seen["walk"].items():
+            assert "error" not in got, (cell, got)
+            assert got["grads"], cell
+            assert "tensor_parallel" in got["steps"]
+            # keep_fp32 runs under bf16 autocast (the whole model too): a looser bound there.
+            assert got["loss"] == pytest.approx(got["want"], rel=1e-3 if cell.startswith("keep_fp32") else 1e-4), cell
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.devices=2", "strategy.tensor_parallel_size=4", "trainer.num_nodes=2"], "larger than a node's 2"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=4", "model.n_heads=2"], "attention heads 2"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=4", "data.seq_len=30"], "sequence length 30"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=4", "model.ffn_hidden=350"], "FFN width 350"),
+    ],
+)
+def test_preflight_refuses_what_tp_cannot_split_naming_the_key(overrides, message):
+    from lightning_trainopt.config.preflight import preflight_from_cfg
+
+    cfg = compose_config(
+        ["+strategy=fsdp_tp", "model=gpt_tiny", "data=synthetic", "trainer.accelerator=cpu", *overrides]
+    )
+    with pytest.raises(IncompatibleConfigError, match="strategy.tensor_parallel_size") as err:
+        preflight_from_cfg(cfg)
+    assert message in str(err.value)
+
+
+def test_preflight_passes_a_tp_config_that_splits_and_refuses_chunked_ce():
+    from lightning_trainopt.config.preflight import preflight_from_cfg
+
+    base = ["+strategy=tp", "model=gpt_tiny", "data=synthetic", "trainer=ddp_sim"]
+    preflight_from_cfg(compose_config(base))
+    with pytest.raises(IncompatibleConfigError, match="loss-parallel"):
+        preflight_from_cfg(compose_config([*base, "loss=chunked_ce"]))
