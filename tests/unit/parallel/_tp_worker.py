@@ -8,8 +8,9 @@ for tests/unit/parallel/test_tp.py:
   on the same global batch (what DDP computes), step by step, with gradient clipping over a mix of DTensor and
   plain parameters (an extra plain layer), and the parameter elements this rank holds against the whole model's;
 * ``walk``: each OK cell of the ``tp`` and ``fsdp_tp`` columns of the technique x strategy table, applied by
-  ``apply_rewrites`` (conversions, TP, activation techniques, compile) to our GPT, ``fully_shard``-ed over the
-  data-parallel ranks for ``fsdp_tp``: the loss of one forward and backward against a whole model's;
+  ``apply_rewrites`` (conversions, TP, activation techniques) to our GPT, ``fully_shard``-ed over the
+  data-parallel ranks for ``fsdp_tp``: the loss of one forward and backward against a whole model's, then a forward
+  without grad (as validation runs);
 * ``fit``: a Lightning fit with ``TrainOptTPStrategy``: ParallelDims, the sampler's sharding, the batches read,
   the logged losses, and the global gradient norm Lightning clipped to.
 
@@ -149,7 +150,6 @@ def _technique_plan(technique: str) -> RewritePlan:
         ),
         "checkpoint": RewritePlan(checkpoint=CheckpointPolicy()),
         "offload": RewritePlan(saved_tensors=CpuOffloader(pin_memory=False, min_numel=1)),
-        "compile": RewritePlan(compile=True),
     }
     return RewritePlan(**{**plans[technique].__dict__, "tensor_parallel": 2})
 
@@ -176,6 +176,8 @@ def walk(dims: ParallelDims) -> dict[str, Any]:
                 with loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     loss = _loss("gpt", holder, batch)
                     loss.backward()
+                    with torch.no_grad():  # as validation runs it after training steps
+                        _loss("gpt", holder, batch)
                 value = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
                 grads = all(p.grad is not None for p in holder.parameters())
                 got[cell] = {"loss": value, "want": want, "steps": steps, "grads": grads}

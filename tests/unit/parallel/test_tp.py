@@ -180,7 +180,7 @@ def test_every_ok_tp_and_fsdp_tp_cell_composes_and_matches_a_whole_model(ranks):
     from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES
 
     cells = {f"{t}+{f}" for f in ("tp", "fsdp_tp") for t in TECHNIQUES if TABLE[t][f] is None and t != "chunked_ce"}
-    assert cells == {f"{t}+{f}" for t in ("keep_fp32", "checkpoint", "offload", "compile") for f in ("tp", "fsdp_tp")}
+    assert cells == {f"{t}+{f}" for t in ("keep_fp32", "checkpoint", "offload") for f in ("tp", "fsdp_tp")}
     for seen in ranks:
         assert set(seen["walk"]) == cells
         for cell, got in seen["walk"].items():
