@@ -2,8 +2,9 @@
 
 The 4-process run (``_tp_worker.py``, one process group for all of it) trains our GPT and a tiny Hugging Face Llama
 with TP 2 x FSDP2 2 against a whole model on the same global batch (what DDP computes), and fits a LitGPT with
-``TrainOptTPStrategy`` on the HSDP mesh (2 replicas x 1 shard x TP 2). TP alone on 2 processes through the app is in
-tests/integration/test_strategies.py (``+strategy=tp``).
+``TrainOptTPStrategy`` on the HSDP mesh (2 replicas x 1 shard x TP 2), and walks the OK cells of the ``tp`` and
+``fsdp_tp`` columns of the technique x strategy table. TP alone on 2 processes through the app (``+strategy=tp``) is
+tests/integration/test_tensor_parallel_app.py.
 """
 
 from __future__ import annotations
