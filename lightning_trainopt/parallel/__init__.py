@@ -16,6 +16,7 @@ from lightning_trainopt.parallel.spec import (
     spec_of,
     with_spec,
 )
+from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -25,6 +26,7 @@ __all__ = [
     "TrainOptDDPStrategy",
     "TrainOptDeepSpeedStrategy",
     "TrainOptFSDPStrategy",
+    "TrainOptTPStrategy",
     "ZeroSpec",
     "apply_fully_shard",
     "load_deepspeed_json",

@@ -141,7 +141,7 @@ class ParallelDims:
             devices: processes per node (``trainer.devices``, resolved to a count).
             num_nodes: nodes (``trainer.num_nodes``).
             tp: tensor-parallel size (``strategy.tensor_parallel_size``).
-            dp_replicate: replicating data-parallel size.
+            dp_replicate: replicating data-parallel size (``strategy.replicate``: HSDP's replicas).
             dp_shard: sharding data-parallel size; -1 takes what the others leave.
 
         Raises:
@@ -152,7 +152,7 @@ class ParallelDims:
         _check_size("trainer.devices", devices)
         _check_size("trainer.num_nodes", num_nodes)
         _check_size("strategy.tensor_parallel_size", tp)
-        _check_size("strategy.dp_replicate", dp_replicate)
+        _check_size("strategy.replicate", dp_replicate)
         _check_size("strategy.data_parallel_size", dp_shard, allow_infer=True)
         world = devices * num_nodes
         keys: dict[str, Any] = {"trainer.devices": devices, "trainer.num_nodes": num_nodes}
@@ -165,7 +165,7 @@ class ParallelDims:
             )
         if world % (tp * dp_replicate):
             raise IncompatibleConfigError(
-                {**keys, "strategy.dp_replicate": dp_replicate, "strategy.tensor_parallel_size": tp},
+                {**keys, "strategy.replicate": dp_replicate, "strategy.tensor_parallel_size": tp},
                 f"{ranks} is not divisible by dp_replicate={dp_replicate} x tp={tp}.",
                 f"use a multiple of {tp * dp_replicate} devices, or sizes whose product divides {world}.",
             )

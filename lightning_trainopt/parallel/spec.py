@@ -176,9 +176,14 @@ class StrategySpec(StrategyQuestions):
     def family(self) -> Family | None:
         """Its column in the technique x strategy table (``parallel/compat_table.py``): ``single``, ``ddp``,
         ``zero12``, ``zero3``, ``fsdp2`` or ``fsdp1``; ``None`` for a strategy class the table does not know."""
+        return self.family_at()
+
+    def family_at(self, tensor_parallel: int = 1, data_parallel: int = 1) -> Family | None:
+        """Its column at a tensor-parallel and data-parallel size: FSDP2's class with ``tensor_parallel > 1`` is the
+        ``tp`` column (no data parallelism) or ``fsdp_tp``."""
         from lightning_trainopt.parallel.compat_table import family_of
 
-        return family_of(self.kind, self.zero_stage, self.fsdp_version)
+        return family_of(self.kind, self.zero_stage, self.fsdp_version, tensor_parallel, data_parallel)
 
     @property
     def precision_needs(self) -> PrecisionNeeds:

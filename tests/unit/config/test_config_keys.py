@@ -271,7 +271,7 @@ def _hydra_error(overrides: list[str]) -> Exception:
         (
             "+strategy=zero9",
             "strategy=zero9: no such preset; did you mean strategy=zero3? conf/strategy/ has ddp, deepspeed_json, "
-            "fsdp, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.",
+            "fsdp, fsdp_offload, fsdp_tp, tp, zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.",
         ),
     ],
 )
