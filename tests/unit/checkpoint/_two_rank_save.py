@@ -39,7 +39,12 @@ def main(rank: int, final: str, port: str) -> None:
 
     def write(staging):
         os.makedirs(staging, exist_ok=True)
+        # Rank 0 writes its small part before rank 1 fills the disk: otherwise rank 0 may hit the full disk itself.
+        if rank == 1:
+            dist.barrier()
         torch.save({"w": torch.zeros(n)}, os.path.join(staging, f"shard{rank}.pt"))
+        if rank == 0:
+            dist.barrier()
 
     try:
         save_directory_checkpoint(GlooStrategy(rank), final, write)
