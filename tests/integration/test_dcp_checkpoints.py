@@ -1,8 +1,9 @@
-"""FSDP2 checkpoints are DCP directories: written by every rank, resumed on another number of ranks, converted.
+"""FSDP2 and TP checkpoints are DCP directories: written by every rank, resumed on another layout, converted.
 
 One 2-process fit writes a checkpoint (each rank its own ``__<rank>_0.distcp``); a 1-process run loads it (DCP
-reshards on load) and saves it again; a 2-process run loads that one and saves it again. Loading and saving copy
-tensors, so every weight and every AdamW moment must come back bit for bit, whatever the number of ranks.
+reshards on load) and saves it again; a 2-process run loads that one and saves it again. A 2-process tensor-parallel
+fit (TP 2) is loaded on 1 process (TP 1) the same way. Loading and saving copy tensors, so every weight and every
+AdamW moment must come back bit for bit, whatever the number of ranks or the TP size.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ STEPS = 3
 SHAPE = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16)
 
 
-def _worker(devices: int, save: Path, load: Path | None = None) -> None:
+def _worker(devices: int, save: Path, load: Path | None = None, tp: bool = False) -> None:
     args = [sys.executable, str(WORKER), str(devices), str(STEPS), str(save), *([str(load)] if load else [])]
+    args += ["tp"] if tp else []
     proc = subprocess.run(args, cwd=REPO_ROOT, env=child_env(REPO_ROOT), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(devices):
@@ -37,12 +39,15 @@ def _worker(devices: int, save: Path, load: Path | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``two``: trained on 2 ranks; ``one``: it loaded on 1 rank and saved; ``back``: that loaded on 2 and saved."""
+    """``two``: trained on 2 ranks; ``one``: it loaded on 1 rank and saved; ``back``: that loaded on 2 and saved;
+    ``tp``: trained with TP 2; ``tp_one``: it loaded on 1 rank and saved."""
     tmp = tmp_path_factory.mktemp("dcp")
-    paths = {"two": tmp / "two.ckpt", "one": tmp / "one.ckpt", "back": tmp / "back.ckpt"}
+    paths = {name: tmp / f"{name}.ckpt" for name in ("two", "one", "back", "tp", "tp_one")}
     _worker(2, paths["two"])
     _worker(1, paths["one"], load=paths["two"])
     _worker(2, paths["back"], load=paths["one"])
+    _worker(2, paths["tp"], tp=True)
+    _worker(1, paths["tp_one"], load=paths["tp"])
     return paths
 
 
@@ -58,7 +63,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 @pytest.mark.slow
 def test_each_rank_writes_its_own_part_and_the_directory_is_sealed(saved):
-    for name, ranks in (("two", 2), ("one", 1), ("back", 2)):
+    for name, ranks in (("two", 2), ("one", 1), ("back", 2), ("tp", 2), ("tp_one", 1)):
         path = saved[name]
         assert is_dcp_checkpoint(path)
         assert checkpoint_problem(path) is None  # our manifest, written after every rank's part
@@ -73,6 +78,13 @@ def test_two_ranks_to_one_and_back_keep_every_weight_and_optimizer_moment(saved)
     assert two["optimizer_0.state.model.embed.weight.step"].item() == STEPS  # trained, not a fresh model
     _assert_same(two, _all_tensors(saved["one"]))  # 2 -> 1 rank
     _assert_same(two, _all_tensors(saved["back"]))  # 1 -> 2 ranks
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_resumes_on_another_tp_size(saved):
+    tp = _all_tensors(saved["tp"])
+    assert tp["optimizer_0.state.model.embed.weight.step"].item() == STEPS
+    _assert_same(tp, _all_tensors(saved["tp_one"]))  # TP 2 -> 1
 
 
 @pytest.mark.slow
