@@ -186,6 +186,13 @@ def _restore_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
                 state[name] = state[present[0]]
 
 
+def _tied_head(key: str, tensor: torch.Tensor, state: dict[str, torch.Tensor]) -> bool:
+    """Whether ``key`` is an output head equal to another tensor of ``state`` (the embedding it is tied to)."""
+    if not key.endswith("lm_head.weight"):
+        return False
+    return any(k != key and t.shape == tensor.shape and torch.equal(t, tensor) for k, t in state.items())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``trainopt-convert`` (and its former name ``trainopt-convert-zero``)."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output_file is None and args.hf_dir is None:
         parser.error("give OUTPUT_FILE, --hf-dir DIR or both")
     state = convert_checkpoint(args.checkpoint, args.output_file, args.hf_dir, args.lightning_file)
-    n = sum(t.numel() for k, t in state.items() if k != "lm_head.weight" or "embed.weight" not in state)
+    n = sum(t.numel() for k, t in state.items() if not _tied_head(k, t, state))
     written = [p for p in (args.output_file, args.hf_dir) if p is not None]
     print(f"wrote {' and '.join(written)}: {len(state)} tensors, {n:,} parameters (fp32)")
 

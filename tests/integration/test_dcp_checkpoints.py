@@ -111,3 +111,44 @@ def test_convert_gives_the_plain_state_dict_and_a_hugging_face_directory_with_th
 def test_convert_refuses_a_directory_that_is_no_sharded_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="FSDP2/TP checkpoint directory"):
         convert_checkpoint(tmp_path, tmp_path / "out.pt")
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_trained_under_fsdp2_converts_to_its_own_directory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from lightning_trainopt.checkpoint.hf_export import llama_config
+
+    llama_config(SHAPE).save_pretrained(tmp_path / "config")
+    run = tmp_path / "run"
+    args = [
+        "model=hf",
+        f"model.config={tmp_path / 'config'}",
+        "data.seq_len=16",
+        "data.batch_size=2",
+        "data.max_bytes=2400",
+        "trainer=ddp_sim",
+        "+strategy=fsdp",
+        "trainer.max_steps=2",
+        "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false",
+        "logger=none",
+        f"hydra.run.dir={run}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=REPO_ROOT,
+        env=child_env(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert is_dcp_checkpoint(ckpt)
+    convert_checkpoint(ckpt, None, hf_dir=tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    saved = read_dcp_tensors(ckpt)  # the LightningModule's keys: model.<the Hugging Face model's own keys>
+    assert {k.removeprefix("model.") for k in saved} == set(hf.state_dict())
+    for key, tensor in saved.items():
+        torch.testing.assert_close(hf.state_dict()[key.removeprefix("model.")], tensor, rtol=0, atol=0)
