@@ -39,6 +39,7 @@ from lightning_trainopt.launch.console import StepsProgressBar, model_line, quie
 from lightning_trainopt.launch.launcher import check_launch
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
+from lightning_trainopt.launch.slurm import newest_resume_point
 from lightning_trainopt.models import LitGPT
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
@@ -103,7 +104,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path == "last":
         return newest_complete_checkpoint(run_dir / "checkpoints")
     if ckpt_path == "auto":
-        return auto_resume_checkpoint(run_dir / "checkpoints")
+        # Under SLURM, Lightning's requeue checkpoint (hpc_ckpt_<n>.ckpt in the run directory) counts too.
+        return newest_resume_point(auto_resume_checkpoint(run_dir / "checkpoints"), run_dir)
     if not Path(ckpt_path).exists():
         raise ConfigError(
             "ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path, 'last' or 'auto'."
