@@ -211,6 +211,8 @@ def check_launch(
         per_node = _devices_per_node(devices, str(trainer_cfg.get("accelerator", "auto")))
         check_slurm(env, devices, per_node, trainer_cfg.get("num_nodes", 1))
         return
+    if env.get("SUBMITIT_LOCAL_JOB_ID") is not None:
+        _check_submitit_local(trainer_cfg)
     if not launch.external or launch.local_world_size is None:
         return
     per_node = launch.local_world_size
@@ -232,3 +234,21 @@ def check_launch(
                 f"torchrun started {launch.world_size} processes, {per_node} per node: {nodes} node(s); set "
                 f"trainer.num_nodes={nodes} (or match torchrun's --nnodes).",
             )
+
+
+def _check_submitit_local(trainer_cfg: Mapping[str, Any]) -> None:
+    """A job of ``hydra/launcher=submitit_local`` trains on one device.
+
+    Lightning starts a job's other ranks by re-running the command line, which in such a job is submitit's runner
+    (``python -m submitit.core._submit <folder>``), not ``train.py``: the ranks would fail with a usage error.
+    """
+    devices = trainer_cfg.get("devices", "auto")
+    per_node = _devices_per_node(devices, str(trainer_cfg.get("accelerator", "auto")))
+    if per_node != 1 or trainer_cfg.get("num_nodes", 1) != 1:
+        raise ConfigError(
+            "trainer.devices",
+            devices,
+            "a job of hydra/launcher=submitit_local runs as one process and Lightning cannot start its other ranks "
+            "there (it would re-run submitit's runner, not train.py); use trainer.devices=1 trainer.num_nodes=1, or "
+            "sweep several devices per job with python train.py -m (no launcher) or hydra/launcher=slurm.",
+        )

@@ -14,7 +14,8 @@ so :func:`check_slurm` refuses, before anything is built:
 
 Requeueing has one owner, Lightning's ``SLURMEnvironment(auto_requeue=True)`` (docs/launch.md, "Pre-emption"): on
 ``SIGUSR1`` every rank writes Lightning's ``hpc_ckpt_<n>.ckpt`` into the run directory and rank 0 runs
-``scontrol requeue``. :func:`newest_resume_point` lets ``ckpt_path=auto`` find that checkpoint too.
+``scontrol requeue``. :func:`newest_resume_point` lets ``ckpt_path=auto`` find that checkpoint too, and
+:func:`retire_requeue_checkpoints` moves it aside once the fit has ended.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from typing import Any
 
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["REQUEUE_CHECKPOINT_GLOB", "check_slurm", "newest_resume_point", "slurm_job_id", "slurm_tasks"]
+__all__ = [
+    "REQUEUE_CHECKPOINT_GLOB",
+    "check_slurm",
+    "gpus_per_node",
+    "newest_resume_point",
+    "register_resolvers",
+    "retire_requeue_checkpoints",
+    "slurm_job_id",
+    "slurm_tasks",
+]
 
 #: The checkpoints Lightning's SLURM auto-requeue writes into ``trainer.default_root_dir`` (the run directory).
 REQUEUE_CHECKPOINT_GLOB = "hpc_ckpt_*.ckpt"
@@ -161,3 +171,56 @@ def newest_resume_point(found: str | None, run_dir: Path) -> str | None:
     if found is None or newest.stat().st_mtime > Path(found).stat().st_mtime:
         return str(newest)
     return found
+
+
+def gpus_per_node(accelerator: Any, devices: Any) -> int | None:
+    """``conf/hydra/launcher/slurm.yaml``'s ``gpus_per_node``: ``trainer.devices`` for a GPU run, else ``None``.
+
+    ``None`` (no ``--gpus-per-node``) for CPU runs and for ``accelerator=auto``, which the submitting machine (often a
+    login node without GPUs) cannot decide; a GPU sweep names ``trainer.accelerator=gpu``.
+    """
+    if str(accelerator) not in ("gpu", "cuda"):
+        return None
+    return int(devices) if str(devices).lstrip("-").isdigit() and int(devices) > 0 else None
+
+
+def register_resolvers() -> None:
+    """Register ``${trainopt_slurm_gpus:accelerator,devices}`` (:func:`gpus_per_node`) before Hydra composes."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("trainopt_slurm_gpus"):
+        OmegaConf.register_new_resolver("trainopt_slurm_gpus", gpus_per_node)
+
+
+#: Where :func:`retire_requeue_checkpoints` keeps Lightning's requeue checkpoints once the fit has ended.
+RETIRED_DIR = "requeue_checkpoints"
+
+
+def retire_requeue_checkpoints(trainer: Any, run_dir: Path) -> list[Path]:
+    """After a SLURM job's fit has ended: move Lightning's ``hpc_ckpt_*.ckpt`` into ``<run_dir>/requeue_checkpoints``.
+
+    Under SLURM Lightning loads the run directory's newest ``hpc_ckpt`` for every ``validate``/``test`` call without a
+    ``ckpt_path`` (``_CheckpointConnector._parse_ckpt_path``): the final validation of a requeued job would report
+    the weights of the pre-emption, not the final ones. Global rank 0 moves them (kept, out of Lightning's sight);
+    every rank waits for it. Does nothing outside a SLURM job; every rank of one takes part.
+
+    Args:
+        trainer: the Trainer, right after ``fit``.
+        run_dir: the run directory (``trainer.default_root_dir``).
+
+    Returns:
+        The checkpoints' new paths (on global rank 0; empty on the others).
+    """
+    from lightning_trainopt.launch.launcher import detect_launch
+
+    if detect_launch().mode != "slurm":
+        return []
+    moved: list[Path] = []
+    if trainer.is_global_zero:
+        found = sorted(run_dir.glob(REQUEUE_CHECKPOINT_GLOB))
+        if found:
+            (run_dir / RETIRED_DIR).mkdir(exist_ok=True)
+        for path in found:
+            moved.append(path.rename(run_dir / RETIRED_DIR / path.name))
+    trainer.strategy.barrier("retire_requeue_checkpoints")
+    return moved

@@ -39,7 +39,7 @@ from lightning_trainopt.launch.console import StepsProgressBar, model_line, quie
 from lightning_trainopt.launch.launcher import check_launch
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
-from lightning_trainopt.launch.slurm import newest_resume_point
+from lightning_trainopt.launch.slurm import newest_resume_point, retire_requeue_checkpoints
 from lightning_trainopt.models import LitGPT
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
@@ -334,6 +334,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         train_loss = trainer.callback_metrics.get("train_loss")
         stopped = early_stop(trainer)
         info = _strategy_info(trainer, cfg)
+        retire_requeue_checkpoints(trainer, run_dir)  # else Lightning validates the requeue checkpoint's weights
         final_validation = _final_validation(trainer, module, datamodule, clock)
     except CheckpointWriteError as err:
         # A full disk: the partial file is gone and the earlier checkpoints kept; record the run as failed, then

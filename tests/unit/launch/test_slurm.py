@@ -131,3 +131,10 @@ def test_auto_resume_takes_lightnings_requeue_checkpoint_when_newer(tmp_path: Pa
     # A requeue checkpoint cut short is not a resume point.
     requeue.write_bytes(requeue.read_bytes()[:-40])
     assert newest_resume_point(str(periodic), tmp_path) == str(periodic)
+
+
+def test_a_submitit_local_job_trains_on_one_device():
+    local = {"SUBMITIT_LOCAL_JOB_ID": "123"}
+    check_launch({"accelerator": "cpu", "devices": 1}, env=local)
+    with pytest.raises(ConfigError, match=r"trainer.devices=2 is invalid: a job of hydra/launcher=submitit_local"):
+        check_launch(CPU2, env=local)
