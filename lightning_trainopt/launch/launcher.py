@@ -88,9 +88,9 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
             local_world_size=int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE") else None,
             run_id=env["TORCHELASTIC_RUN_ID"],
         )
-    if env.get("SLURM_NTASKS") and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        from lightning_trainopt.launch.slurm import slurm_job_id, slurm_tasks
+    from lightning_trainopt.launch.slurm import in_slurm_job, slurm_job_id, slurm_tasks
 
+    if in_slurm_job(env):
         tasks, tasks_per_node = slurm_tasks(env)
         return Launch(
             mode="slurm",

@@ -20,6 +20,7 @@ Requeueing has one owner, Lightning's ``SLURMEnvironment(auto_requeue=True)`` (d
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "REQUEUE_CHECKPOINT_GLOB",
     "check_slurm",
     "gpus_per_node",
+    "in_slurm_job",
     "newest_resume_point",
     "register_resolvers",
     "retire_requeue_checkpoints",
@@ -42,6 +44,12 @@ __all__ = [
 REQUEUE_CHECKPOINT_GLOB = "hpc_ckpt_*.ckpt"
 
 _TASKS_PER_NODE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def in_slurm_job(env: Mapping[str, str]) -> bool:
+    """Lightning will use its ``SLURMEnvironment`` here (``SLURMEnvironment.detect``): ``SLURM_NTASKS`` is set and
+    the job is not an interactive allocation (job name ``bash`` or ``interactive``)."""
+    return bool(env.get("SLURM_NTASKS")) and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
 def slurm_job_id(env: Mapping[str, str]) -> str | None:
@@ -211,9 +219,7 @@ def retire_requeue_checkpoints(trainer: Any, run_dir: Path) -> list[Path]:
     Returns:
         The checkpoints' new paths (on global rank 0; empty on the others).
     """
-    from lightning_trainopt.launch.launcher import detect_launch
-
-    if detect_launch().mode != "slurm":
+    if not in_slurm_job(os.environ):
         return []
     moved: list[Path] = []
     if trainer.is_global_zero:
