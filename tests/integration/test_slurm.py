@@ -5,6 +5,7 @@ that checkpoints, is requeued by Lightning, comes back and ends as if it had nev
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def test_a_sweep_submitted_to_slurm_runs_each_job_once_as_two_srun_tasks(local_s
         assert (metrics["status"], metrics["world_size"], metrics["global_step"]) == ("ok", 2, 3)
         assert lr in (sweep / job / ".hydra" / "overrides.yaml").read_text()
     # One SLURM array task per job, each run as 2 srun tasks (global ranks 0 and 1 of 2), none run twice.
-    tasks = sorted(p for p in (sweep / ".submitit").iterdir() if "_" in p.name)
+    tasks = sorted(p for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
     assert len(tasks) == 2, tasks
     for task in tasks:
         logs = sorted(p.name for p in task.glob("*_log.out"))
@@ -56,7 +57,13 @@ def test_a_sweep_submitted_to_slurm_runs_each_job_once_as_two_srun_tasks(local_s
         for rank, log in enumerate(logs):
             assert (task / log).read_text().count("Starting with JobEnvironment") == 1
             assert f"global_rank={rank}(2)" in (task / log).read_text()
-    records = _scontrol_jobs(tasks[0].name.split("_")[0])
+    # submitit returns once each job has written its result; SLURM may still be ending the tasks' processes.
+    array = tasks[0].name.split("_")[0]
+    deadline = time.monotonic() + 120
+    records = _scontrol_jobs(array)
+    while any(r["JobState"] in ("RUNNING", "COMPLETING") for r in records) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        records = _scontrol_jobs(array)
     assert [(r["JobState"], r["NumTasks"], r["Restarts"]) for r in records] == [("COMPLETED", "2", "0")] * 2
     # The submission asked SLURM for trainer.devices tasks per node and for the pre-emption signal Lightning handles.
     script = next((sweep / ".submitit").glob("*/*_submission.sh")).read_text()
