@@ -156,8 +156,19 @@ class LocalSlurm:
         raise RuntimeError(f"the local SLURM did not start:\n{logs}")
 
     def stop(self) -> None:
-        """Cancel every job, stop the daemons this object started and munged (by its pid file)."""
-        subprocess.run(["scancel", "--full", "-u", "root"], env={**os.environ, **self.env}, capture_output=True)
+        """Cancel every job and wait for them to go, then stop the daemons this object started and munged.
+
+        Jobs are waited for (up to 60 s) first: a job step whose slurmd is gone leaves its ``slurmstepd`` and
+        ``srun`` behind for good.
+        """
+        env = {**os.environ, **self.env}
+        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            left = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, check=False).stdout
+            if not left.strip():
+                break
+            time.sleep(1.0)
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
