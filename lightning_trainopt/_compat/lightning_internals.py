@@ -29,6 +29,8 @@ __all__ = [
     "set_fetch_hooks",
     "restore_fetch_hooks",
     "save_last_checkpoint",
+    "set_device_mesh",
+    "set_model_parallel_sizes",
     "set_received_sigterm",
     "shard_fully_when_auto",
     "take_observed_children",
@@ -195,3 +197,25 @@ def shard_fully_when_auto(strategy: Any) -> None:
     """
     if private_attr(strategy, "_data_parallel_size", "lightning", *LIGHTNING_RANGE, _MODULE) == "auto":
         strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
+
+
+def set_model_parallel_sizes(strategy: Any, data_parallel: int, tensor_parallel: int) -> None:
+    """The sizes a ``ModelParallelStrategy`` builds its ``("data_parallel", "tensor_parallel")`` mesh from in
+    ``setup_environment``, worked out by the caller (``ParallelDims``) once the world size is known; Lightning keeps
+    them private and resolves ``"auto"`` otherwise (tensor parallel over a node, data parallel over nodes)."""
+    private_attr(strategy, "_data_parallel_size", "lightning", *LIGHTNING_RANGE, _MODULE)
+    private_attr(strategy, "_tensor_parallel_size", "lightning", *LIGHTNING_RANGE, _MODULE)
+    strategy._data_parallel_size = data_parallel
+    strategy._tensor_parallel_size = tensor_parallel
+
+
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Replace the device mesh a ``ModelParallelStrategy`` built (2-D) by ``mesh`` (e.g. HSDP's 3-D
+    ``dp_replicate x dp_shard x tp``, which Lightning cannot build: Lightning #21059), for the strategy and for its
+    LightningModule (``configure_model`` reads ``self.device_mesh``); both keep it in a private attribute."""
+    private_attr(strategy, "_device_mesh", "lightning", *LIGHTNING_RANGE, _MODULE)
+    strategy._device_mesh = mesh
+    module = strategy.lightning_module
+    if module is not None:
+        private_attr(module, "_device_mesh", "lightning", *LIGHTNING_RANGE, _MODULE)
+        module._device_mesh = mesh

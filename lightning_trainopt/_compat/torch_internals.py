@@ -3,7 +3,8 @@
 Nothing else in lightning_trainopt may call ``torch.cuda.memory._record_memory_history``, ``_dump_snapshot``,
 ``torch.cuda._get_nvml_device_index``, read DDP's ``_comm_hooks`` / ``_get_ddp_logging_data``, override
 ``FlopCounterMode._count_flops``, define a ``TorchDispatchMode``, reach ``torch._C._nn.linear`` or ask
-``torch.utils.cpp_extension`` for a JIT build directory; when torch changes them, only this file changes.
+``torch.utils.cpp_extension`` for a JIT build directory, or call ``torch._foreach_norm``; when torch changes them, only
+this file changes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "ddp_comm_hook_state",
     "dump_memory_snapshot",
     "extension_build_dir",
+    "foreach_norms",
     "is_compiled",
     "memory_history_supported",
     "nvml_device_index",
@@ -380,3 +382,13 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module:
     """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), else ``module`` itself."""
     original = getattr(module, "_orig_mod", module)
     return original if isinstance(original, torch.nn.Module) else module
+
+
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, as 0-d tensors in its dtype and on its device (``torch._foreach_norm``).
+
+    One call for the whole list: a fused kernel per device and dtype on CUDA, one C++ loop on CPU, no Python loop
+    over the tensors. It is what ``torch.nn.utils.get_total_norm`` computes before it combines the norms.
+    """
+    norm = private_attr(torch, "_foreach_norm", "torch", *TORCH_RANGE, "torch_internals")
+    return list(norm(tensors))

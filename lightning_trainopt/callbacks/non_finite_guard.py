@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_trainopt._compat.torch_internals import foreach_norms
 from lightning_trainopt.callbacks._common import check_log_every, log_interval, log_metrics
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.parallel.spec import spec_of
@@ -21,18 +22,38 @@ __all__ = ["NonFiniteGuard"]
 _KEY = "callbacks.non_finite_guard"
 
 
-def grad_norm(parameters: list[torch.nn.Parameter]) -> torch.Tensor | None:
-    """Global L2 norm of the gradients (DTensor shards are reduced to the full norm); ``None`` without gradients."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return None
-    # torch picks its one-kernel-per-list norm by itself on CUDA only; on CPU it is also faster than a norm per tensor
-    # (27 tensors of a 0.5M-parameter model: 280 vs 330 us). DTensor shards keep torch's choice.
-    first = grads[0]
-    foreach = True if first.device.type == "cpu" and type(first) is torch.Tensor else None
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=foreach)
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of ``grads`` as torch combines it: DTensor shards reduced to the full norm, any devices."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
     full = getattr(norm, "full_tensor", None)
     return full() if callable(full) else norm
+
+
+def read_step(losses: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[list[float], float | None]:
+    """The micro-batch losses of one optimizer step and its global gradient L2 norm, read to the host at once.
+
+    Plain gradients on the losses' device (the usual case): one foreach norm per gradient tensor, stacked with the
+    losses into one tensor and read once; the norms are combined on the host (``math.hypot`` in float64: no overflow
+    where each norm is finite, non-finite exactly when one of them is). No kernel beyond the norms and one stack, no
+    Python loop over the gradients. DTensor shards, or gradients the stack refuses (on several devices): torch's
+    :func:`total_grad_norm` combines them on the device and it is read with the losses.
+
+    Returns:
+        (the losses, the norm or ``None`` without gradients).
+    """
+    values = [_scalar(t) for t in losses]
+    if not grads:
+        return (torch.stack(values).tolist() if values else []), None
+    if type(grads[0]) is torch.Tensor:  # a DTensor's norm is its shard's: torch reduces it below
+        try:
+            host = torch.stack([*values, *foreach_norms(grads)]).tolist()  # the one sync of the step
+        except RuntimeError:  # several devices, or DTensors: leave it to torch's combination below
+            pass
+        else:
+            return host[: len(values)], math.hypot(*host[len(values) :])
+    total = total_grad_norm(grads).detach()
+    host = torch.stack([*values, total.to(values[0].device) if values else total]).tolist()
+    return host[:-1], host[-1]
 
 
 def _scalar(loss: torch.Tensor) -> torch.Tensor:
@@ -128,9 +149,11 @@ class NonFiniteGuard(Callback):
     (more than ``max_overflow_streak`` in a row, or an overflow at a scale at or below ``min_loss_scale``). Every
     stop message names the step and, under fp16, the loss scale and the overflow streak.
 
-    It reads the step's losses and gradient norm back in one transfer per optimizer step (the decision to skip must be
-    taken on the host); that is its only sync, plus reading the loss scale on steps that are not finite. Per
-    micro-batch it keeps a reference to the detached loss and launches nothing.
+    It reads the step's losses and the gradients' norms back in one transfer per optimizer step (the decision to skip
+    must be taken on the host); that is its only sync, plus reading the loss scale on steps that are not finite. The
+    gradients are read once, by one foreach norm (:func:`read_step`); the norm is computed afresh because Lightning
+    clips after this hook and keeps no norm of its own. Per micro-batch it keeps a reference to the detached loss and
+    launches nothing.
 
     Args:
         policy: ``skip`` or ``stop``.
@@ -167,6 +190,7 @@ class NonFiniteGuard(Callback):
         self.max_overflow_streak = max_overflow_streak
         self.min_loss_scale = float(min_loss_scale)
         self._losses: list[torch.Tensor] = []
+        self._log_every: int | None = None
         self.consecutive = 0
         self.skipped = 0
         self.overflow_streak = 0
@@ -192,6 +216,16 @@ class NonFiniteGuard(Callback):
         # a finite power of two).
         self._losses.append(loss.detach())
 
+    def _every(self, trainer: pl.Trainer) -> int:
+        # Resolved once per fit (on_train_start), not at every step.
+        if self._log_every is None:
+            self._log_every = log_interval(trainer, self.log_every_n_steps)
+        return self._log_every
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_every = log_interval(trainer, self.log_every_n_steps)
+
     @staticmethod
     def _scaler(trainer: pl.Trainer) -> Any | None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -199,23 +233,18 @@ class NonFiniteGuard(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        norm = grad_norm(params)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         losses, self._losses = self._losses, []
-        values = [_scalar(t) for t in losses]
-        if norm is not None:
-            values.append(norm.detach().to(values[0].device) if values else norm.detach())
-        if not values:
+        if not losses and not grads:
             return
-        # One stack (torch promotes the dtypes: a half loss becomes fp32, a float64 one stays float64) and one read.
-        host = torch.stack(values).tolist()  # the guard's one sync per optimizer step
-        loss_finite = all(math.isfinite(v) for v in host[: len(losses)])
-        grads_finite = norm is None or math.isfinite(host[-1])
+        host, norm = read_step(losses, grads)  # the guard's one sync per optimizer step
+        loss_finite = all(math.isfinite(v) for v in host)
+        grads_finite = norm is None or math.isfinite(norm)
         step = trainer.global_step
         if norm is not None:
-            self.last_grad_norm = host[-1] if math.isfinite(host[-1]) else None
-            if grads_finite and loss_finite and step % log_interval(trainer, self.log_every_n_steps) == 0:
-                log_metrics(trainer, {"grad_norm": host[-1]})
+            self.last_grad_norm = norm if grads_finite else None
+            if grads_finite and loss_finite and step % self._every(trainer) == 0:
+                log_metrics(trainer, {"grad_norm": norm})
         if loss_finite and grads_finite:
             self.consecutive = self.overflow_streak = 0
             return

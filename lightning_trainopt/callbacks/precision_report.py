@@ -24,7 +24,8 @@ class PrecisionReport(Callback):
 
     Example::
 
-        Trainer(plugins=trainer_precision_kwargs(spec, strategy)["plugins"], callbacks=[PrecisionReport()])
+        plugins = trainer_precision_kwargs(spec, precision_needs(strategy))["plugins"]
+        Trainer(strategy=strategy, plugins=plugins, callbacks=[PrecisionReport()])
     """
 
     def __init__(self) -> None:

@@ -110,6 +110,7 @@ class StepTimer(Callback):
         self._marks: list[tuple[str, Any]] = []
         self._total = StepSplit()
         self._last_step = -1
+        self._every = 1
         self._verdict: Verdict | None = None
         self._loader: dict[str, Any] = {}
         self._precision: str | None = None
@@ -234,6 +235,7 @@ class StepTimer(Callback):
         self._marks = []
         self._last_step = trainer.global_step
         self._start_step = trainer.global_step
+        self._every = log_interval(trainer, self.log_every_n_steps)  # once per fit, not at every step
         self._warmup = default_warmup(self.warmup_steps, trainer.max_steps, self._start_step)
         loader = trainer.train_dataloader
         self._loader = {
@@ -289,7 +291,7 @@ class StepTimer(Callback):
             # Drop warm-up steps; the window restarts at this step's end.
             self._marks = self._marks[-1:]
             return
-        if step % log_interval(trainer, self.log_every_n_steps) == 0:
+        if step % self._every == 0:
             self._close_window(trainer)
 
     def _close_window(self, trainer: pl.Trainer) -> None:

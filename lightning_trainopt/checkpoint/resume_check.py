@@ -16,8 +16,8 @@ def check_resume(ckpt_path: str, batch_size: int | None, ranks: int | None) -> N
 
     A run stopped mid-epoch continues exactly only with the global batch it was read with (micro-batch x
     data-parallel ranks; :func:`~lightning_trainopt.data.resumable_loader.check_global_batch`). The loader checks
-    the rest (the same data and shuffle) once the data is read. The values are read from the config in
-    ``config/resume.py``.
+    the rest (the same data and shuffle) once the data is read. ``train.py`` passes the run
+    spec's values (``RunSpec.data.fixed_batch_size``, ``RunSpec.parallelism.dims``).
 
     Args:
         ckpt_path: the checkpoint to resume from.
@@ -42,7 +42,7 @@ def check_resume(ckpt_path: str, batch_size: int | None, ranks: int | None) -> N
             check_global_batch(state, batch_size, ranks, "data")
 
 
-def finished_training(state: Mapping[str, Any], trainer: Any) -> str | None:
+def finished_training(state: Mapping[str, Any], trainer: Mapping[str, Any]) -> str | None:
     """Why a checkpoint has nothing left to train under the ``trainer`` node, e.g. ``step 60 of max_steps=60``.
 
     ``None`` when the fit would continue: ``max_steps`` (if set) is not reached and ``max_epochs`` (if set) not
@@ -51,7 +51,7 @@ def finished_training(state: Mapping[str, Any], trainer: Any) -> str | None:
 
     Args:
         state: Lightning's state in the checkpoint (:func:`~lightning_trainopt.checkpoint.state.lightning_state`).
-        trainer: the config's ``trainer`` node.
+        trainer: the run's ``trainer`` arguments (``RunSpec.trainer.options``).
     """
     step = state.get("global_step")
     max_steps = trainer.get("max_steps", -1)

@@ -7,14 +7,17 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from lightning_trainopt.config.model_kind import ModelKind, model_kind
+from lightning_trainopt.config.run_spec import ModelSpec, OptimizerSpec, model_spec, optimizer_spec
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import HFModelConfig, LitCausalLM, LitGPT
 from lightning_trainopt.models.config import GPTConfig
@@ -23,41 +26,15 @@ from lightning_trainopt.models.optimization import configure_optimizers
 __all__ = [
     "ModelKind",
     "build_lightning_module",
+    "build_module",
     "count_params",
     "meta_module",
+    "meta_module_of",
     "model_kind",
     "model_name",
     "model_vocab_size",
     "user_module_class",
 ]
-
-ModelKind = Literal["gpt", "hf", "module"]
-_MISSING = "???"
-
-
-def model_kind(model: DictConfig | dict[str, Any]) -> ModelKind:
-    """``gpt`` (our presets, and a ``model`` node without ``_target_``), ``hf`` or ``module``, from ``_target_``.
-
-    Raises:
-        ConfigError: ``model=module`` without ``model._target_``.
-    """
-    if isinstance(model, DictConfig) and OmegaConf.is_missing(model, "_target_"):
-        target: Any = _MISSING
-    else:
-        target = model.get("_target_")
-    if target is None or str(target).endswith("GPTConfig"):
-        return "gpt"
-    if target == _MISSING:
-        raise ConfigError(
-            "model._target_",
-            _MISSING,
-            "model=module needs the class of your LightningModule: model._target_=pkg.module.MyModule "
-            "(and its arguments as +model.ARG=...).",
-        )
-    target = str(target)
-    if target.endswith("HFModelConfig"):
-        return "hf"
-    return "module"
 
 
 def user_module_class(target: str) -> type[pl.LightningModule]:
@@ -77,41 +54,58 @@ def user_module_class(target: str) -> type[pl.LightningModule]:
     return cls
 
 
-def _with_app_optimizers(module: pl.LightningModule, cfg: DictConfig) -> pl.LightningModule:
+def _partial(node: dict[str, Any] | None) -> Any:
+    """An ``optimizer``/``scheduler`` partial built from its plain node (``None`` without one)."""
+    return instantiate(node, _convert_="all") if node else None
+
+
+def _with_app_optimizers(module: pl.LightningModule, optimizer: OptimizerSpec) -> pl.LightningModule:
     """Give a module without its own ``configure_optimizers`` the ``optimizer`` and ``scheduler`` groups'."""
     if is_overridden("configure_optimizers", module):
         return module
-    optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
-    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    partial, scheduler = _partial(optimizer.node), _partial(optimizer.scheduler)
 
     def app_optimizers(self: pl.LightningModule) -> Any:
-        return configure_optimizers(self, optimizer, scheduler)
+        return configure_optimizers(self, partial, scheduler)
 
     module.configure_optimizers = types.MethodType(app_optimizers, module)  # type: ignore[method-assign]
     return module
 
 
 def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
-    """The LightningModule ``cfg.model`` describes, with the ``optimizer``/``scheduler`` partials, uncompiled.
+    """:func:`build_module` of a composed config's ``model``, ``loss``, ``optimizer`` and ``scheduler`` groups.
+
+    Args:
+        cfg: the composed config of ``conf/train.yaml`` (or ``conf/plan.yaml``).
+
+    Raises:
+        ConfigError: see :func:`build_module`.
+    """
+    return build_module(model_spec(cfg), optimizer_spec(cfg))
+
+
+def build_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.LightningModule:
+    """The LightningModule ``model`` describes, with the ``optimizer``/``scheduler`` partials, uncompiled.
 
     ``compile=true`` is applied by ``train.py``'s model rewrite (:mod:`lightning_trainopt.config.rewrite`, step 4 of
     :func:`~lightning_trainopt.parallel.apply.apply_rewrites`), not here.
 
     Our GPT presets give :class:`~lightning_trainopt.models.LitGPT`, ``model=hf`` a
     :class:`~lightning_trainopt.models.LitCausalLM`; ``model=module`` builds the user's class with the node's other
-    keys, and gives it the ``optimizer``/``scheduler`` groups only when it has no ``configure_optimizers`` of its own.
-    The inner model of our modules is built later, in ``configure_model`` (inside the strategy's init context).
+    keys (as plain dicts and lists), and gives it the ``optimizer``/``scheduler`` groups only when it has no
+    ``configure_optimizers`` of its own. The inner model of our modules is built later, in ``configure_model`` (inside
+    the strategy's init context).
 
     Args:
-        cfg: the composed config of ``conf/train.yaml`` (or ``conf/plan.yaml``).
+        model: the run spec's model section (with the ``loss`` group).
+        optimizer: the run spec's optimizer section (with the ``scheduler`` group).
 
     Raises:
         ConfigError: the model node is invalid (a missing file, an unknown override, a class that is not a
-            LightningModule).
+            LightningModule), or a loss that cannot run here (``loss=liger`` without CUDA), from its constructor.
     """
-    kind = model_kind(cfg.model)
-    loss = head_loss(cfg)
-    if kind == "module":
+    loss = instantiate(model.loss, _convert_="all") if model.loss else None
+    if model.kind == "module":
         if loss is not None:
             raise ConfigError(
                 "loss",
@@ -119,50 +113,33 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
                 "applies to our model presets and model=hf; a LightningModule of yours computes its own loss: use "
                 "loss=standard (or call lightning_trainopt.transforms.chunked_loss.ChunkedLMHeadLoss in it).",
             )
-        user_module_class(str(cfg.model._target_))
-        module = instantiate(cfg.model)
-        return _with_app_optimizers(module, cfg)
-    optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
-    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
-    spec = instantiate(cfg.model)
-    if kind == "hf":
+        user_module_class(str(model.node["_target_"]))
+        module = instantiate(model.node, _convert_="all")
+        return _with_app_optimizers(module, optimizer)
+    partial, scheduler = _partial(optimizer.node), _partial(optimizer.scheduler)
+    spec = instantiate(model.node, _convert_="all")
+    if model.kind == "hf":
         assert isinstance(spec, HFModelConfig)
-        return LitCausalLM(spec, optimizer=optimizer, scheduler=scheduler, loss=loss)
+        return LitCausalLM(spec, optimizer=partial, scheduler=scheduler, loss=loss)
     assert isinstance(spec, GPTConfig)
-    return LitGPT(spec, optimizer=optimizer, scheduler=scheduler, loss=loss)
-
-
-def head_loss(cfg: DictConfig) -> Any:
-    """The ``loss`` group's head + cross-entropy callable, or ``None`` for ``loss=standard`` (an empty node).
-
-    Raises:
-        ConfigError: a loss that cannot run here (``loss=liger`` without CUDA or Liger-Kernel), from its constructor.
-    """
-    node = cfg.get("loss")
-    if not node or "_target_" not in node:
-        return None
-    return instantiate(node)
+    return LitGPT(spec, optimizer=partial, scheduler=scheduler, loss=loss)
 
 
 def meta_module(cfg: DictConfig) -> torch.nn.Module:
-    """The LightningModule of ``cfg`` with its model built on the ``meta`` device: shapes and dtypes, no memory.
+    """:func:`meta_module_of` a composed config (``conf/train.yaml`` or ``conf/plan.yaml``)."""
+    return meta_module_of(model_spec(cfg), optimizer_spec(cfg))
+
+
+def meta_module_of(model: ModelSpec, optimizer: OptimizerSpec) -> torch.nn.Module:
+    """The LightningModule of ``model`` with its model built on the ``meta`` device: shapes and dtypes, no memory.
 
     ``configure_model`` runs under ``torch.device("meta")`` (a user's module that builds its model in ``__init__`` is
     built there too), without ``compile`` and the ``loss`` group: a planner reads parameters and traces the forward
     on fake tensors.
-
-    Args:
-        cfg: the composed config of ``conf/train.yaml`` or ``conf/plan.yaml``.
     """
-    from omegaconf import open_dict
-
-    uncompiled = cfg.copy()
-    with open_dict(uncompiled):
-        uncompiled.compile = False
-        # The planner counts the loss itself; building it could need this machine to run it (loss=liger: CUDA).
-        uncompiled.loss = None
+    # The planner counts the loss itself; building it could need this machine to run it (loss=liger: CUDA).
     with torch.device("meta"):
-        module = build_lightning_module(uncompiled)
+        module = build_module(replace(model, loss=None), optimizer)
         module.configure_model()
     return module
 
@@ -176,12 +153,13 @@ def count_params(module: torch.nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
 
 
-def model_name(cfg: DictConfig, module: torch.nn.Module) -> str:
-    """What metrics.json calls the model: the preset name, the Hugging Face ``model_type``, or the class name."""
+def model_name(preset: str | None, module: torch.nn.Module) -> str:
+    """What metrics.json calls the model: the preset's ``model.name``, the Hugging Face ``model_type``, or the class
+    name."""
     if isinstance(module, LitCausalLM):
         return module.model_type
     if isinstance(module, LitGPT):
-        return str(cfg.model.get("name") or "gpt")
+        return preset or "gpt"
     return type(module).__name__
 
 

@@ -36,8 +36,8 @@ def resolved_devices(trainer: Any) -> int | None:
 
 def parallel_dims_from_cfg(cfg: Any) -> ParallelDims | None:
     """The run's dims from ``trainer.devices`` x ``trainer.num_nodes`` and the strategy node's
-    ``tensor_parallel_size``/``data_parallel_size`` (``auto`` as Lightning reads them); ``None`` when the device
-    count is not known from the config (e.g. ``devices=auto`` on a machine other than the one that trains).
+    ``tensor_parallel_size``/``data_parallel_size``/``replicate`` (``auto`` as Lightning reads them); ``None`` when
+    the device count is not known from the config (e.g. ``devices=auto`` on a machine other than the one that trains).
 
     Raises:
         ConfigError: a size that is not a positive whole number.
@@ -68,4 +68,6 @@ def parallel_dims_of(devices: int, num_nodes: int, strategy: Any) -> ParallelDim
         tp = devices
     if dp == "auto":
         dp = num_nodes if lightning_default else -1
-    return ParallelDims.from_config(devices, num_nodes, tp=tp, dp_shard=dp)
+    # TrainOptTPStrategy (+strategy=fsdp_tp): `replicate` data-parallel replicas of shards (HSDP).
+    replicate = strategy.get("replicate", 1)
+    return ParallelDims.from_config(devices, num_nodes, tp=tp, dp_replicate=replicate, dp_shard=dp)

@@ -28,13 +28,14 @@ from lightning_trainopt.config.plan_inputs import (
     validate_like_train,
 )
 from lightning_trainopt.config.tree import CONF_DIR
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.hardware import compute_dtype_key
 from lightning_trainopt.planner import (
     PlanEstimate,
     PlanInputs,
     StrategyLayout,
     estimate_plan,
+    least_parallelism,
     search_plans,
     textbook_model_state_bytes,
 )
@@ -149,7 +150,6 @@ def _adam_path(cfg: DictConfig, on_cuda: bool) -> Callable[[PlanInputs], str]:
 
 def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanInputs], bool]:
     """``(choices, inputs) -> bool`` for the search: does ``train.py``'s pre-flight accept the candidate?"""
-    from lightning_trainopt.exceptions import IncompatibleConfigError
 
     conf = _conf_dir(cfg)
     base_precision = plan_choices(cfg).get("precision")
@@ -221,7 +221,10 @@ def _next_step(
                     accumulate = json_accumulation(user_json, inputs.micro_batch, world, 1)
                 except ConfigError:
                     continue
-            i = replace(inputs, layout=layout, devices=devices, num_nodes=nodes, accumulate=accumulate)
+            try:
+                i = replace(inputs, layout=layout, devices=devices, num_nodes=nodes, accumulate=accumulate)
+            except IncompatibleConfigError:
+                continue  # e.g. a ZeRO preset with the planned tensor parallelism
             i = replace(i, adam_path=adam_path(i))
             picked = {**choices, "strategy": name} if name else dict(choices)
             if name != current and not allowed(picked, i):
@@ -277,6 +280,8 @@ def plan(cfg: DictConfig) -> PlanResult:
         hardware.memory_bytes_per_s,
         hardware.nvme_bytes_per_s,
         hardware.cpu_adam_params_per_s,
+        hardware.nvlink_bytes_per_s,
+        hardware.network_bytes_per_s,
     )
 
     def run(i: PlanInputs) -> PlanEstimate:
@@ -326,6 +331,8 @@ def plan(cfg: DictConfig) -> PlanResult:
     space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size, cfg, on_cuda, known)
     every, n_enum = search_plans(inputs, space, run, adam_path, allowed)
     ranked = best_per_configuration(every)
+    max_tp = max((t for t in space.tensor_parallel if t <= inputs.devices), default=1)
+    needs = least_parallelism(ranked, max_tp).message if n_enum else ""
     if not n_enum:
         raise ConfigError(
             "plan.search_space",
@@ -350,6 +357,7 @@ def plan(cfg: DictConfig) -> PlanResult:
         hfu=hfu,
         seq_len_default_of=default_of,
         seq_len_note=note,
+        parallelism=needs,
     )
 
 

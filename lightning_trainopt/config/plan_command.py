@@ -16,6 +16,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.planner.report import refused_jobs
+from lightning_trainopt.planner.search import TP_STRATEGY
 
 if TYPE_CHECKING:
     from lightning_trainopt.planner import PlanInputs
@@ -57,6 +58,8 @@ _PLANNED_KEYS = (
     "data.batch_size",
     "data.seq_len",
     "trainer.accumulate_grad_batches",
+    "strategy.tensor_parallel_size",
+    "strategy.replicate",
 )
 
 
@@ -121,6 +124,13 @@ def train_command(
     ]
     if inputs.num_nodes > 1:
         parts.append(f"trainer.num_nodes={inputs.num_nodes}")
+    # The planned sizes replace the user's (dropped above with the other planned keys); ++ adds or overrides. The
+    # fsdp_tp strategy gets both; another one only a size above 1 (FSDP2's own class takes no `replicate`).
+    tp_strategy = choices.get("strategy") == TP_STRATEGY
+    if inputs.tensor_parallel > 1 or tp_strategy:
+        parts.append(f"++strategy.tensor_parallel_size={inputs.tensor_parallel}")
+    if inputs.replicate > 1 or tp_strategy:
+        parts.append(f"++strategy.replicate={inputs.replicate}")
     return " ".join([parts[0], *_config_dirs(), *parts[1:]])
 
 

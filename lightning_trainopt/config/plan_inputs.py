@@ -130,6 +130,7 @@ def hardware_from_cfg(node: Any) -> HardwareSpec:
         raise ConfigError("hardware.peak_tflops", peaks, "use a mapping of dtype to TFLOP/s, e.g. {bf16: 800}.")
     keys: tuple[str, ...] = ("name", "price_per_device_hour", "peak_tflops", "memory_gb", "host_memory_gb")
     keys += ("pcie_gb_per_s", "memory_gb_per_s", "nvme_gb_per_s", "cpu_adam_params_per_s")  # checked by hardware_spec
+    keys += ("nvlink_gb_per_s", "network_gb_per_s")
     kwargs = {k: node[k] for k in keys if k in node}
     target = node.get("_target_")
     if target and not str(target).endswith("hardware_spec"):
@@ -301,7 +302,19 @@ def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
     from lightning_trainopt.config.plan_precision import with_planned_loss
 
     module = with_planned_loss(meta_module(cfg), cfg)
-    return module_plan_profile(module, model_name(cfg, module), module_max_seq_len(module))
+    return module_plan_profile(module, model_name(cfg.model.get("name"), module), module_max_seq_len(module))
+
+
+def _strategy_value(node: Any, key: str, default: Any) -> Any:
+    """``strategy.<key>`` of a strategy node (``default`` without a node or the key)."""
+    return node.get(key, default) if hasattr(node, "get") else default
+
+
+def _flag(node: Any, key: str, default: bool) -> bool:
+    value = _strategy_value(node, key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"strategy.{key}", value, "use true or false.")
+    return value
 
 
 def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanInputs:
@@ -356,6 +369,12 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         devices=devices,
         num_nodes=nodes,
         tensor_parallel=dims.tp,
+        sequence_parallel=_flag(cfg.get("strategy"), "sequence_parallel", True),
+        replicate=_positive(
+            "strategy.replicate",
+            _strategy_value(cfg.get("strategy"), "replicate", 1),
+            "use a whole number of HSDP replicas (1: plain FSDP2).",
+        ),
         attention=attention_kind(cfg),
         precision=precision_plan(cfg, cfg.precision, on_cuda),
         loss=loss_plan(cfg.get("loss")),
@@ -404,8 +423,13 @@ def search_space_from_cfg(
         _positive("plan.search_space.micro_batch", b, "use positive whole micro-batch sizes, e.g. [1, 2, 4].")
         for b in space["micro_batch"]
     )
+    tp = _sizes(space, "tensor_parallel", (1,))
+    nodes = cfg.trainer.get("num_nodes", 1) if cfg is not None else 1
+    replicate = _sizes(space, "replicate", (1, nodes) if isinstance(nodes, int) and nodes > 1 else (1,))
     if cfg is None:
-        return SearchSpace(precisions, strategies, activations, optimizers, micro)
+        return SearchSpace(
+            precisions, strategies, activations, optimizers, micro, tensor_parallel=tp, replicate=replicate
+        )
     from lightning_trainopt.config.model_factory import model_kind
     from lightning_trainopt.config.plan_precision import loss_plan, precision_plan
 
@@ -430,4 +454,19 @@ def search_space_from_cfg(
         for n in names:
             plan = loss_plan(load_preset(conf_dir, "loss", str(n)), str(n))
             losses[str(n)] = plan if plan is not None else LossPlan(str(n))
-    return SearchSpace(precisions, strategies, activations, optimizers, micro, plans, losses)
+    return SearchSpace(precisions, strategies, activations, optimizers, micro, plans, losses, tp, replicate)
+
+
+def _sizes(space: dict[str, Any], group: str, auto: tuple[int, ...]) -> tuple[int, ...]:
+    """``plan.search_space.<group>`` as positive whole sizes; missing, ``null`` or ``auto``: ``auto``.
+
+    Raises:
+        ConfigError: an empty list or a size that is not a positive whole number.
+    """
+    value = space.get(group)
+    if value is None or value == "auto":
+        return tuple(dict.fromkeys(auto))
+    fix = f"list positive whole sizes, e.g. plan.search_space.{group}=[1,2,4,8]."
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"plan.search_space.{group}", value, fix)
+    return tuple(dict.fromkeys(_positive(f"plan.search_space.{group}", v, fix) for v in value))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_trainopt.config.strategy import strategy_spec
+from lightning_trainopt.config.tp_preflight import check_tensor_parallel, tensor_parallel_size
 from lightning_trainopt.config.tree import CONF_DIR
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError, MissingDependencyError
 from lightning_trainopt.parallel.spec import StrategySpec
@@ -91,6 +92,8 @@ class PreflightInput:
         fp8_backend: ``torchao`` (``precision=fp8``) or ``transformer_engine`` (``fp8_te``); ``None`` without FP8.
         fp8_emulate: ``precision.emulate`` (``None``: emulate on CPU only).
         transforms_model: the preset changes the model before the strategy wraps it (FP8, ``keep_fp32``).
+        tensor_parallel: the tensor-parallel size (``ParallelDims.tp``): under ``TrainOptTPStrategy`` the rewrite
+            table's ``tp`` (no data parallelism) or ``fsdp_tp`` column.
         techniques: the model rewrites the config turns on, as rows of
             :data:`~lightning_trainopt.parallel.compat_table.TABLE` (``fp8``, ``checkpoint``, ``compile``...);
             default: ``fp8``/``keep_fp32`` from the precision fields above.
@@ -110,6 +113,7 @@ class PreflightInput:
     fp8_emulate: bool | None = None
     transforms_model: bool = False
     techniques: tuple[str, ...] | None = None
+    tensor_parallel: int = 1
 
     def rewrites(self) -> tuple[str, ...]:
         """The table rows that apply: :attr:`techniques`, else what the precision fields imply."""
@@ -481,9 +485,10 @@ def check_rewrite_table(p: PreflightInput) -> None:
     Raises:
         IncompatibleConfigError: the first refused pair, naming the technique's key and the strategy.
     """
-    from lightning_trainopt.parallel.compat_table import TECHNIQUE_KEYS, TECHNIQUES, cell, family_of
+    from lightning_trainopt.parallel.compat_table import TECHNIQUE_KEYS, TECHNIQUES, cell
 
-    family = family_of(p.strategy.kind, p.strategy.zero_stage, p.strategy.fsdp_version)
+    tp = p.tensor_parallel
+    family = p.strategy.family_at(tp, p.world_size // tp)
     if family is None:
         return
     for technique in TECHNIQUES:
@@ -569,8 +574,10 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
         fp8_emulate=precision.get("emulate"),
         transforms_model=_transforms_model(precision),
         techniques=config_techniques(cfg, precision),
+        tensor_parallel=tensor_parallel_size(cfg),
     )
     check_packages(required_packages(p))
+    check_tensor_parallel(cfg)
     return preflight(p)
 
 

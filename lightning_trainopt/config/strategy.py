@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.builder import strategy_kwargs
-from lightning_trainopt.parallel.spec import StrategySpec, parse_strategy
+from lightning_trainopt.parallel.spec import StrategySpec, parse_strategy, with_spec
 from lightning_trainopt.precision.spec import PrecisionSpec
 
 __all__ = ["build_strategy", "plain_node", "strategy_spec"]
@@ -72,4 +72,5 @@ def build_strategy(
     if not isinstance(strategy, Strategy):
         raise ConfigError("strategy._target_", kwargs["_target_"], "point it at a lightning.pytorch Strategy class.")
     strategy.trainopt_preset = spec.name  # type: ignore[attr-defined]
-    return strategy
+    # The rooms below parallel/ read the strategy's answers from its spec (our classes carry their own).
+    return with_spec(strategy, spec)

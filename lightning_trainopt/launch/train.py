@@ -1,4 +1,9 @@
-"""``train(cfg) -> dict``: assemble a Lightning Trainer from the Hydra config tree, fit, and report."""
+"""``train(cfg) -> dict``: assemble a Lightning Trainer from the typed run spec ``config/`` reads, fit, and report.
+
+The composed config is handed to ``config/`` once (:func:`~lightning_trainopt.config.build.read_run`); from then on
+this module reads typed values and the objects :func:`~lightning_trainopt.config.build.build_run` builds, never a
+string key or a ``DictConfig``.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,12 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, EarlyStopping, Timer
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -22,27 +27,18 @@ from lightning_trainopt.callbacks import NonFiniteGuard, PrecisionReport, Resuma
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.checkpoint.files import write_text_atomic
 from lightning_trainopt.checkpoint.io import use_atomic_checkpoint_io
-from lightning_trainopt.config.data_vocab import apply_manifest_vocab
-from lightning_trainopt.config.model_factory import (
-    build_lightning_module,
-    count_params,
-    meta_module,
-    model_kind,
-    model_name,
-    model_vocab_size,
-)
-from lightning_trainopt.config.rewrite import install_app_rewrites
-from lightning_trainopt.config.run_spec import run_spec
-from lightning_trainopt.config.validate import validate_config
+from lightning_trainopt.config.build import build_run, config_runs_on_cpu, micro_batch, read_run, trainer_kwargs
+from lightning_trainopt.config.model_factory import count_params
+from lightning_trainopt.config.run_spec import DataSpec, LaunchSpec, RunSpec
 from lightning_trainopt.exceptions import CheckpointWriteError, ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
 from lightning_trainopt.launch.launcher import check_launch
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.launch.slurm import newest_resume_point, retire_requeue_checkpoints
-from lightning_trainopt.models import LitGPT
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
+from lightning_trainopt.parallel.spec import precision_needs
 from lightning_trainopt.precision import trainer_precision_kwargs
 
 __all__ = [
@@ -62,25 +58,18 @@ METRICS_FILE = "metrics.json"
 INTERRUPTED_EXIT_CODE = 130
 
 
-def output_dir(cfg: DictConfig) -> Path:
-    """The run's output directory: Hydra's, else ``cfg.output_dir``, else the working directory."""
+def output_dir(launch: LaunchSpec) -> Path:
+    """The run's output directory: Hydra's, else the config's ``output_dir``, else the working directory."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
-    return Path(cfg.get("output_dir") or os.getcwd())
+    return Path(launch.output_dir or os.getcwd())
 
 
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:
     """The Trainer's callbacks (Lightning sets ``trainer.callbacks`` in a connector; the class does not declare it)."""
     return trainer.callbacks  # type: ignore[attr-defined]
-
-
-def _instantiate_named(group: DictConfig | None) -> list[Any]:
-    """Instantiate every ``name: {_target_: ...}`` entry of a group such as ``callbacks`` or ``logger``."""
-    if not group:
-        return []
-    return [instantiate(node) for node in group.values() if node is not None and "_target_" in node]
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
@@ -114,11 +103,16 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return ckpt_path
 
 
-def finished_run(cfg: DictConfig, ckpt_path: str, run_dir: Path) -> dict[str, Any] | None:
+def finished_run(trainer: Mapping[str, Any], ckpt_path: str, run_dir: Path) -> dict[str, Any] | None:
     """The kept ``metrics.json`` of a run that ``ckpt_path`` shows has already trained to its end; else ``None``.
 
     Resuming it would train no step and overwrite its results with empty ones (what an automatic retry after
     pre-emption does). Reading the checkpoint's state also refuses a corrupt one before anything starts.
+
+    Args:
+        trainer: the run's ``trainer`` arguments (``max_steps``, ``max_epochs``).
+        ckpt_path: the checkpoint to resume from.
+        run_dir: the run directory whose ``metrics.json`` is kept.
 
     Raises:
         ConfigError: the checkpoint's saved state cannot be read.
@@ -126,7 +120,7 @@ def finished_run(cfg: DictConfig, ckpt_path: str, run_dir: Path) -> dict[str, An
     from lightning_trainopt.checkpoint.resume_check import finished_training
     from lightning_trainopt.checkpoint.verify import read_checkpoint_state
 
-    done = finished_training(read_checkpoint_state(ckpt_path), cfg.trainer)
+    done = finished_training(read_checkpoint_state(ckpt_path), trainer)
     if done is None:
         return None
     metrics_file = run_dir / METRICS_FILE
@@ -142,16 +136,8 @@ def finished_run(cfg: DictConfig, ckpt_path: str, run_dir: Path) -> dict[str, An
     return kept
 
 
-def _build_strategy(cfg: DictConfig, precision: Any, micro_batch_size: int | None, n_params: int) -> Any:
-    if cfg.get("strategy") is None:
-        return "auto"
-    from lightning_trainopt.config.strategy import build_strategy
-
-    return build_strategy(cfg.strategy, precision, cfg.trainer, micro_batch_size=micro_batch_size, n_params=n_params)
-
-
-def _strategy_info(trainer: pl.Trainer, cfg: DictConfig) -> dict[str, Any]:
-    if cfg.get("strategy") is None:
+def _strategy_info(trainer: pl.Trainer, run: RunSpec) -> dict[str, Any]:
+    if run.parallelism.strategy_node is None:
         return {"strategy": type(trainer.strategy).__name__.removesuffix("Strategy").lower(), "zero_stage": None}
     from lightning_trainopt.parallel import strategy_info
 
@@ -248,75 +234,53 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ConfigError: a config value is invalid.
         IncompatibleConfigError: a combination of options is known to break.
     """
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    quiet_console(on_cpu=accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()))
-    apply_manifest_vocab(cfg)
-    validate_config(cfg)
-    check_launch(cfg.trainer)
-    from lightning_trainopt.config.preflight import check_vocab, preflight
-
-    for advice in preflight(cfg):
-        log.warning(advice)
-    # The ranks' split into replicas is validated here, before anything is spawned (the Trainer's strategy is
-    # checked against it again once it has set up: ParallelDims.from_trainer).
-    run = run_spec(cfg)
+    quiet_console(on_cpu=config_runs_on_cpu(cfg))
+    # The one read of the config: validated, pre-flight checked, and the ranks' split into replicas validated before
+    # anything is spawned (the Trainer's strategy is checked against it again once it has set up:
+    # ParallelDims.from_trainer). Below, only typed values.
+    run = read_run(cfg, launch_check=check_launch)
     dims = run.parallelism.dims
 
-    run_dir = output_dir(cfg)
+    run_dir = output_dir(run.launch)
     ckpt_path = resolve_ckpt_path(run.checkpointing.ckpt_path, run_dir)
     if ckpt_path is not None:
-        from lightning_trainopt.config.resume import check_resume_from_cfg
+        from lightning_trainopt.checkpoint.resume_check import check_resume
 
-        kept = finished_run(cfg, ckpt_path, run_dir)
+        kept = finished_run(run.trainer.options, ckpt_path, run_dir)
         if kept is not None:
             return kept
-        check_resume_from_cfg(cfg, ckpt_path, dims.dp if dims is not None else None)
+        check_resume(ckpt_path, run.data.fixed_batch_size, dims.dp if dims is not None else None)
     pl.seed_everything(run.launch.seed, workers=True, verbose=False)
 
     precision = run.precision
-    datamodule = instantiate(cfg.data)
-    if hasattr(datamodule, "check_source"):
-        datamodule.check_source()
-    module = build_lightning_module(cfg)
-    _document_attention(module, datamodule)
-    check_vocab(model_vocab_size(module), data_vocab_size(datamodule), _vocab_key(cfg))
-    # The module's own count once built (a user's module may build its model in __init__), else its meta copy's.
-    n_params = count_params(module) or count_params(meta_module(cfg))
-    name = model_name(cfg, module)
+    built = build_run(run)
+    module, datamodule, strategy = built.module, built.datamodule, built.strategy
     clock = RunClock()
-    # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
-    activations = _instantiate_named(cfg.get("activations"))
-    # The activation techniques and compile are applied by the ordered model rewrite at the end of configure_model
-    # (before any strategy wraps or shards the model, so before every on_fit_start measurement); the callbacks report.
-    install_app_rewrites(module, activations, compile_model=bool(cfg.get("compile", False)))
     callbacks = [
         clock,
+        # StrategyReport is always on: metrics.json's per-rank memory_breakdown of model states comes from it.
         StrategyReport(),
         # What an FP8 or keep_fp32 preset did to the model (metrics.json's precision_layers); nothing otherwise.
         PrecisionReport(),
-        *activations,
-        *_instantiate_named(cfg.get("callbacks")),
+        *built.callbacks,
     ]
-    loggers = _instantiate_named(cfg.get("logger"))
-    strategy = _build_strategy(cfg, precision, _micro_batch(cfg, datamodule), n_params)
 
     env = snapshot_env()
     prepare_child_command(run_dir)
-    # Instantiated, not just converted: `debug=profiler` puts a profiler object under trainer.profiler.
-    trainer_kwargs = instantiate(cfg.trainer, _convert_="all")
-    if trainer_kwargs.get("enable_progress_bar", True):
+    kwargs = trainer_kwargs(run)
+    if kwargs.get("enable_progress_bar", True):
         callbacks.append(StepsProgressBar())
-    if "enable_model_summary" not in trainer_kwargs:
+    if "enable_model_summary" not in kwargs:
         # Lightning's table would show a FLOPs column of zeros (it counts only with an example_input_array).
-        trainer_kwargs["enable_model_summary"] = False
-        rank_zero_info(model_line(name, n_params))
+        kwargs["enable_model_summary"] = False
+        rank_zero_info(model_line(built.name, built.n_params))
     trainer = pl.Trainer(
-        **trainer_kwargs,
+        **kwargs,
         strategy=strategy,
         callbacks=callbacks,
-        logger=loggers or False,
+        logger=built.loggers or False,
         default_root_dir=str(run_dir),
-        **trainer_precision_kwargs(precision, strategy, accelerator),
+        **trainer_precision_kwargs(precision, precision_needs(strategy), run.parallelism.accelerator),
     )
     use_atomic_checkpoint_io(trainer.strategy)
     oom = False
@@ -325,7 +289,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     train_loss = None
     stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
     final_validation = "not reached"
-    info = _strategy_info(trainer, cfg)
+    info = _strategy_info(trainer, run)
     t0 = time.perf_counter()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -333,7 +297,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # re-initialises the engine for inference (without ZeRO below stage 3).
         train_loss = trainer.callback_metrics.get("train_loss")
         stopped = early_stop(trainer)
-        info = _strategy_info(trainer, cfg)
+        info = _strategy_info(trainer, run)
         retire_requeue_checkpoints(trainer, run_dir)  # else Lightning validates the requeue checkpoint's weights
         final_validation = _final_validation(trainer, module, datamodule, clock)
     except CheckpointWriteError as err:
@@ -354,7 +318,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         interrupted = err
         if train_loss is None:  # else the fit had ended and the final validation was interrupted
             train_loss = trainer.callback_metrics.get("train_loss")
-        info = _strategy_info(trainer, cfg)
+        info = _strategy_info(trainer, run)
     wall = time.perf_counter() - t0
 
     loss = float(train_loss) if train_loss is not None else None
@@ -369,7 +333,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
     if status == "diverged":
         log.warning("the final train loss is %s: recorded as status=diverged", loss)
-    metrics = _collect_metrics(cfg, trainer, module, name, clock, precision, outcome, wall, loss, info)
+    metrics = _collect_metrics(run.data, trainer, module, built.name, clock, precision, outcome, wall, loss, info)
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / METRICS_FILE, metrics_json(metrics))
@@ -405,45 +369,8 @@ def metrics_json(metrics: dict[str, Any]) -> str:
     return json.dumps(_finite(metrics), indent=2, default=str, allow_nan=False)
 
 
-def _document_attention(module: pl.LightningModule, datamodule: Any) -> None:
-    """``data.document_attention=true``: our GPT masks attention at the data's EOS ids (refused for other models)."""
-    if not getattr(datamodule, "document_attention", False):
-        return
-    if not isinstance(module, LitGPT):
-        raise ConfigError(
-            "data.document_attention",
-            True,
-            f"masking attention at document boundaries is built into our model presets, not {type(module).__name__}; "
-            "use a gpt_* / llama_* model preset or data.document_attention=false.",
-        )
-    module.document_eos = int(datamodule.eos_id)
-    rank_zero_info(f"data.document_attention: attention stays inside documents (EOS id {module.document_eos}).")
-
-
-def _micro_batch(cfg: DictConfig, datamodule: Any) -> int | None:
-    """The micro-batch per device: the datamodule's ``batch_size`` (a MicroBatchFinder sets it), else the config's."""
-    value = getattr(datamodule, "batch_size", None)
-    if value is None:
-        value = cfg.data.get("batch_size")
-    return value if isinstance(value, int) else None
-
-
-def data_vocab_size(datamodule: Any) -> int | None:
-    """Token ids the data holds: byte-level text 256, else the datamodule's ``vocab_size`` when it has one."""
-    corpus = getattr(datamodule, "corpus", None)
-    if isinstance(corpus, str) and corpus != "synthetic":
-        return 256
-    value = getattr(datamodule, "vocab_size", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _vocab_key(cfg: DictConfig) -> str:
-    kind = model_kind(cfg.model)
-    return {"gpt": "model.vocab_size", "hf": "model.overrides.vocab_size"}.get(kind, "model.vocab_size")
-
-
 def _collect_metrics(
-    cfg: DictConfig,
+    data: DataSpec,
     trainer: pl.Trainer,
     module: pl.LightningModule,
     name: str,
@@ -459,8 +386,8 @@ def _collect_metrics(
     # One rank's tokens count once per data-parallel replica: a tensor-parallel group's ranks read the same batches.
     tokens_this_run = clock.local_tokens * dims.dp
     # The micro-batch actually trained: a MicroBatchFinder sets the datamodule's batch_size (and accumulation).
-    micro = _micro_batch(cfg, getattr(trainer, "datamodule", None))
-    seq_len = cfg.data.get("seq_len") or getattr(getattr(trainer, "datamodule", None), "seq_len", None)
+    micro = micro_batch(data, getattr(trainer, "datamodule", None))
+    seq_len = data.seq_len or getattr(getattr(trainer, "datamodule", None), "seq_len", None)
     per_step = micro * trainer.accumulate_grad_batches * dims.dp if micro is not None else None
     metrics: dict[str, Any] = {
         **outcome,

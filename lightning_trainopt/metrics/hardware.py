@@ -106,6 +106,10 @@ class HardwareSpec:
         nvme_bytes_per_s: the NVMe drives of one node together, bytes/s, shared by its ranks (``None``: unknown).
         cpu_adam_params_per_s: parameters per second CPU Adam updates on one node, all its ranks together
             (``None``: unknown).
+        nvlink_bytes_per_s: one device's NVLink, bytes/s in each direction, for tensor-parallel collectives inside
+            a node (``None``: unknown or no NVLink).
+        network_bytes_per_s: one device's share of its node's network, bytes/s each way, for tensor-parallel
+            collectives across nodes (``None``: unknown).
 
     Example::
 
@@ -123,6 +127,8 @@ class HardwareSpec:
     memory_bytes_per_s: float | None = None
     nvme_bytes_per_s: float | None = None
     cpu_adam_params_per_s: float | None = None
+    nvlink_bytes_per_s: float | None = None
+    network_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for key, value in self.peak_flops.items():
@@ -144,6 +150,8 @@ class HardwareSpec:
             ("pcie_gb_per_s", self.pcie_bytes_per_s),
             ("memory_gb_per_s", self.memory_bytes_per_s),
             ("nvme_gb_per_s", self.nvme_bytes_per_s),
+            ("nvlink_gb_per_s", self.nvlink_bytes_per_s),
+            ("network_gb_per_s", self.network_bytes_per_s),
         ):
             if rate is not None and not rate > 0:
                 raise ConfigError(f"hardware.{rate_key}", rate / _GB, "use a positive bandwidth in GB/s.")
@@ -168,6 +176,8 @@ class HardwareSpec:
             "memory_gb_per_s": _per_gb(self.memory_bytes_per_s),
             "nvme_gb_per_s": _per_gb(self.nvme_bytes_per_s),
             "cpu_adam_params_per_s": self.cpu_adam_params_per_s,
+            "nvlink_gb_per_s": _per_gb(self.nvlink_bytes_per_s),
+            "network_gb_per_s": _per_gb(self.network_bytes_per_s),
             "sources": dict(self.sources),
         }
 
@@ -328,6 +338,51 @@ HARDWARE: dict[str, HardwareSpec] = {
 
 _ALIASES = {"h100": "h100_sxm", "a100": "a100_80gb", "a10": "a10g"}
 
+
+def _link(doc: str, both_ways_gb: float) -> tuple[float, str]:
+    each = both_ways_gb / 2
+    return each * _GB, (
+        f"{doc}: NVLink {both_ways_gb:g} GB/s per GPU both directions = {each:g} GB/s each way (the link rate, an "
+        "upper bound on what NCCL's collectives reach); override hardware.nvlink_gb_per_s"
+    )
+
+
+def _net(instance: str, node_gbit: float) -> tuple[float, str]:
+    each = node_gbit / 8 / 8
+    return each * _GB, (
+        f"reference node {instance}: {node_gbit:g} Gbit/s network for 8 GPUs = {each:g} GB/s per GPU each way; "
+        "override hardware.network_gb_per_s"
+    )
+
+
+#: Interconnects of the presets with NVLink among 8 GPUs (datasheets) and the network of their reference node (AWS
+#: EC2 instance-type specifications; DGX B200 datasheet), for the planner's tensor-parallel collectives.
+_INTERCONNECT: dict[str, dict[str, tuple[float, str]]] = {
+    "a100_40gb": {"nvlink": _link("NVIDIA A100 datasheet (SXM)", 600), "network": _net("p4d.24xlarge", 400)},
+    "a100_80gb": {"nvlink": _link("NVIDIA A100 datasheet (SXM)", 600), "network": _net("p4de.24xlarge", 400)},
+    "h100_sxm": {"nvlink": _link("NVIDIA H100 datasheet (SXM)", 900), "network": _net("p5.48xlarge", 3200)},
+    "h200": {"nvlink": _link("NVIDIA H200 datasheet (SXM)", 900), "network": _net("p5e.48xlarge", 3200)},
+    "b200": {"nvlink": _link("NVIDIA DGX B200 datasheet", 1800), "network": _net("DGX B200 (8 x 400 Gbit/s)", 3200)},
+}
+_UNKNOWN_LINK = {
+    "nvlink": "unknown or no NVLink: set hardware.nvlink_gb_per_s to charge tensor-parallel collectives in a node",
+    "network": "unknown: set hardware.network_gb_per_s (per GPU, each way) to charge TP collectives across nodes",
+}
+
+
+def _with_interconnect(spec: HardwareSpec) -> HardwareSpec:
+    links = _INTERCONNECT.get(spec.name, {})
+    sources = dict(spec.sources)
+    rates: dict[str, float | None] = {}
+    for key in ("nvlink", "network"):
+        pair = links.get(key)
+        rates[key], sources[key] = pair if pair else (None, _UNKNOWN_LINK[key])
+    return replace(spec, nvlink_bytes_per_s=rates["nvlink"], network_bytes_per_s=rates["network"], sources=sources)
+
+
+for _name in list(HARDWARE):
+    HARDWARE[_name] = _with_interconnect(HARDWARE[_name])
+
 # (regex on the lowercased CUDA device name, preset); first match wins, so specific patterns come first.
 # NVL cards (H100 NVL, H200 NVL) run at a lower power limit than the SXM parts, so their dense peaks are not in this
 # table: they map to no preset (MFU then needs hardware.peak_tflops) rather than to an SXM peak ~18% too high.
@@ -406,6 +461,8 @@ def hardware_spec(
     memory_gb_per_s: float | None = None,
     nvme_gb_per_s: float | None = None,
     cpu_adam_params_per_s: float | None = None,
+    nvlink_gb_per_s: float | None = None,
+    network_gb_per_s: float | None = None,
 ) -> HardwareSpec:
     """Build a :class:`HardwareSpec` from a preset name with user overrides (the ``_target_`` of ``conf/hardware``).
 
@@ -419,6 +476,8 @@ def hardware_spec(
         memory_gb_per_s: override one device's memory bandwidth, GB/s.
         nvme_gb_per_s: override the NVMe bandwidth of one node (all its drives, shared by its ranks), GB/s.
         cpu_adam_params_per_s: override the parameters per second CPU Adam updates on one node (all its ranks).
+        nvlink_gb_per_s: override one device's NVLink, GB/s each way (tensor-parallel collectives in a node).
+        network_gb_per_s: override one device's share of the node's network, GB/s each way (TP across nodes).
 
     Raises:
         ConfigError: unknown preset name or bad override.
@@ -465,12 +524,16 @@ def hardware_spec(
         "memory_bandwidth": spec.memory_bytes_per_s,
         "nvme": spec.nvme_bytes_per_s,
         "cpu_adam": spec.cpu_adam_params_per_s,
+        "nvlink": spec.nvlink_bytes_per_s,
+        "network": spec.network_bytes_per_s,
     }
     overrides = (
         ("pcie", "pcie_gb_per_s", pcie_gb_per_s, _GB, "use GB/s in each direction, e.g. 25 (PCIe Gen4 x16)."),
         ("memory_bandwidth", "memory_gb_per_s", memory_gb_per_s, _GB, "use the device's GB/s, e.g. 2039."),
         ("nvme", "nvme_gb_per_s", nvme_gb_per_s, _GB, "use the node's NVMe GB/s, e.g. 8."),
         ("cpu_adam", "cpu_adam_params_per_s", cpu_adam_params_per_s, 1, "use parameters per second, e.g. 1e10."),
+        ("nvlink", "nvlink_gb_per_s", nvlink_gb_per_s, _GB, "use GB/s each way per GPU, e.g. 450 (H100 SXM)."),
+        ("network", "network_gb_per_s", network_gb_per_s, _GB, "use GB/s each way per GPU, e.g. 50 (400 Gbit/s)."),
     )
     for what, key, given, unit, fix in overrides:
         if given is None:
@@ -490,6 +553,8 @@ def hardware_spec(
         memory_bytes_per_s=rates["memory_bandwidth"],
         nvme_bytes_per_s=rates["nvme"],
         cpu_adam_params_per_s=rates["cpu_adam"],
+        nvlink_bytes_per_s=rates["nvlink"],
+        network_bytes_per_s=rates["network"],
     )
 
 

@@ -300,13 +300,14 @@ class TrainingWindow:
             self._device_tokens = detached if self._device_tokens is None else self._device_tokens + detached
         else:
             host_tokens = int(tokens)
-        self._counts = replace(
-            c,
-            batches=c.batches + 1,
-            samples=_plus(c.samples, samples),
-            tokens=_plus(c.tokens, host_tokens),
-            model_flops=_plus(c.model_flops, model_flops),
-            hardware_flops=_plus(c.hardware_flops, model_flops if hardware_flops is None else hardware_flops),
+        # The constructor, not dataclasses.replace: this runs at every micro-batch and replace introspects the fields.
+        self._counts = WindowCounts(
+            c.seconds,
+            c.batches + 1,
+            _plus(c.samples, samples),
+            _plus(c.tokens, host_tokens),
+            _plus(c.model_flops, model_flops),
+            _plus(c.hardware_flops, model_flops if hardware_flops is None else hardware_flops),
         )
 
     def counts(self) -> WindowCounts:

@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_trainopt._compat.lightning_internals import module_trainer
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
 from lightning_trainopt.models.lit_lm import HeadLoss, LitLanguageModel
-from lightning_trainopt.models.optimization import OptimizerFactory
+from lightning_trainopt.models.optimization import OptimizerFactory, strategy_answers
 from lightning_trainopt.transforms.chunked_loss import head_returns_loss
 from lightning_trainopt.transforms.compile import compile_model
 
@@ -40,10 +39,10 @@ def _check_plain_logits(hf_config: Any, loss: Any) -> None:
             )
 
 
-def _zero3_building(module: LitLanguageModel) -> bool:
-    """The module is being built inside DeepSpeed ZeRO-3's ``zero.Init`` (its strategy shards parameters at build)."""
-    trainer = module_trainer(module)
-    return trainer is not None and bool(getattr(trainer.strategy, "zero_stage_3", False))
+def _building_partitioned(module: LitLanguageModel) -> bool:
+    """The module is being built partitioned (DeepSpeed ZeRO-3's ``zero.Init``): its strategy's answer."""
+    answers = strategy_answers(module)
+    return answers is not None and answers.builds_partitioned
 
 
 def _saved_tensors(weights: Path) -> dict[str, Path]:
@@ -153,18 +152,19 @@ class LitCausalLM(LitLanguageModel):
         auto = transformers.AutoModelForCausalLM
         attn = self.spec.attn_implementation
         weights = self.spec.weights_dir()
-        # On the meta device (a planner's copy) there is nothing to load; under ZeRO-3 the model is built partitioned
+        # On the meta device (a planner's copy, or FSDP2's meta build: each rank then reads its slices of the files,
+        # pretrained_files) there is nothing to load; under ZeRO-3 the model is built partitioned
         # and the weights are copied in one gathered parameter at a time (from_pretrained would write whole tensors
         # into the empty placeholders).
         on_meta = torch.empty(0).device.type == "meta"
         with self.build_dtype():
-            if weights is None or on_meta or _zero3_building(self):
+            if weights is None or on_meta or _building_partitioned(self):
                 model = auto.from_config(self.hf_config, attn_implementation=attn)
             else:
                 model = auto.from_pretrained(
                     str(weights), config=self.hf_config, attn_implementation=attn, local_files_only=True
                 )
-        if weights is not None and not on_meta and _zero3_building(self):
+        if weights is not None and not on_meta and _building_partitioned(self):
             _load_partitioned(model, weights)
             # The weights are the checkpoint's: the strategy's re-run of the model's init must leave them.
             model._trainopt_initialized = True
@@ -173,6 +173,14 @@ class LitCausalLM(LitLanguageModel):
             # In place, block by block (the head stays eager): the one way this package compiles.
             compile_model(model)
         self.model = model
+
+    def pretrained_files(self) -> tuple[torch.nn.Module, dict[str, Path]] | None:
+        """``(the Hugging Face model, {tensor name: file})`` of ``model.pretrained`` for a model built on the meta
+        device that a sharding strategy fills slice by slice; ``None`` without ``model.pretrained``."""
+        weights = self.spec.weights_dir()
+        if weights is None or self.model is None:
+            return None
+        return self.model, _saved_tensors(weights)
 
     @override
     def forward(

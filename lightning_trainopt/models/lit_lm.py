@@ -12,7 +12,12 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_trainopt._compat.lightning_internals import module_trainer
-from lightning_trainopt.models.optimization import OptimizerFactory, configure_optimizers, decay_param_groups
+from lightning_trainopt.models.optimization import (
+    OptimizerFactory,
+    configure_optimizers,
+    decay_param_groups,
+    strategy_answers,
+)
 
 __all__ = ["HeadLoss", "LitLanguageModel"]
 
@@ -65,7 +70,8 @@ class LitLanguageModel(pl.LightningModule):
     @contextlib.contextmanager
     def build_dtype(self) -> Iterator[None]:
         """Build the model inside this context in the dtype its strategy keeps: under DeepSpeed ZeRO-1/2 with a half
-        precision, that half dtype.
+        precision, that half dtype (the strategy's answers, :func:`~lightning_trainopt.models.optimization
+        .strategy_answers`: it wraps the model in an engine and does not build it partitioned).
 
         The DeepSpeed engine casts the module's parameters to its bf16/fp16 dtype for ``-mixed`` too (the fp32 master
         copy is made from those), so building them in fp32 first only adds a full fp32 copy of the model on every rank
@@ -74,11 +80,9 @@ class LitLanguageModel(pl.LightningModule):
         partitioned and in its dtype inside ``deepspeed.zero.Init``. The weights are the same: ``normal_`` in bf16
         draws the values an fp32 ``normal_`` rounds to.
         """
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
         trainer, half = module_trainer(self), None
-        strategy = trainer.strategy if trainer is not None else None
-        if trainer is not None and isinstance(strategy, DeepSpeedStrategy) and not strategy.zero_stage_3:
+        answers = strategy_answers(self)
+        if trainer is not None and answers is not None and answers.wraps_in_engine and not answers.builds_partitioned:
             precision = str(trainer.precision)
             half = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision[:2] == "16" else None
         default = torch.get_default_dtype()

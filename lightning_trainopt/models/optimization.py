@@ -9,8 +9,14 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_trainopt._compat.lightning_internals import module_trainer
+from lightning_trainopt.planner.strategy_layout import StrategyQuestions, registered_answers
 
-__all__ = ["OptimizerFactory", "configure_optimizers", "decay_param_groups"]
+__all__ = [
+    "OptimizerFactory",
+    "configure_optimizers",
+    "decay_param_groups",
+    "strategy_answers",
+]
 
 OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
 
@@ -36,21 +42,38 @@ def decay_param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float
     return [g for g in groups if g["params"]]
 
 
+def strategy_answers(module: pl.LightningModule) -> StrategyQuestions | None:
+    """What the module's strategy does, or ``None`` without a Trainer.
+
+    The answers are worked out in ``parallel/``: carried by the strategy (``trainer.strategy.spec``: our strategies
+    carry their own; the app's builder and ``lightning_trainopt.parallel.with_spec`` give one to Lightning's), else
+    asked of the answerer ``parallel/`` registered (:func:`answer_strategies_with`), so this room never tests a
+    strategy's class.
+    """
+    trainer = module_trainer(module)
+    if trainer is None:
+        return None
+    answers = getattr(trainer.strategy, "spec", None)
+    if not isinstance(answers, StrategyQuestions):
+        answers = registered_answers(trainer.strategy)
+    return answers if isinstance(answers, StrategyQuestions) else None
+
+
 def _fused_kwargs(module: pl.LightningModule, factory: OptimizerFactory | None) -> dict[str, Any]:
     """The fused kernel for the ``adamw`` preset on CUDA, where it is safe (see ``fused_adam_kwargs``)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
     from lightning_trainopt.optim.optimizers import fused_adam_kwargs
 
     trainer = module_trainer(module)
     if trainer is None:
         return {}
+    answers = strategy_answers(module)
     return fused_adam_kwargs(
         factory,
         module.parameters(),
         precision=str(trainer.precision),
         gradient_clip_val=trainer.gradient_clip_val,
-        deepspeed=isinstance(trainer.strategy, DeepSpeedStrategy),
+        # An engine (DeepSpeed) runs its own optimizer step on flat partitions.
+        deepspeed=answers is not None and answers.wraps_in_engine,
     )
 
 

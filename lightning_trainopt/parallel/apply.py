@@ -6,9 +6,10 @@
 1. **layer conversions** (FP8 linear layers, ``keep_fp32`` modules; adapters join here): they replace or re-wrap
    leaf modules, so every later step must see the final modules: tensor parallelism needs FP8-aware plans, and
    ``fully_shard`` must all-gather torchao's FP8 weight subclass, not a plain weight.
-2. **tensor parallelism**: a later issue; the step exists, named, and refuses ``tensor_parallel > 1`` until then.
-   It must follow the conversions (it shards the converted layers) and precede checkpointing (which wraps blocks
-   whose layers are already DTensor-parallel).
+2. **tensor parallelism** (:func:`~lightning_trainopt.parallel.tp.apply_tensor_parallel`: DTensor plans by module
+   name, torchao's float8 plans for converted layers): it follows the conversions (it shards the converted layers)
+   and precedes checkpointing (which wraps blocks whose layers are already DTensor-parallel) and compile (which traces
+   the DTensor blocks).
 3. **activation memory** (checkpointing, then a saved-tensors transform: CPU offload or int8): wraps the blocks'
    ``forward`` on the instance; before compile, so the checkpoint region is traced inside each compiled block.
 4. **compile**: one way, per repeated block where the model has one (regional compilation: one graph reused by every
@@ -41,7 +42,7 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -49,6 +50,7 @@ from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
+from lightning_trainopt.parallel.tp import TPReport, apply_tensor_parallel
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
 from lightning_trainopt.transforms.blocks import block_classes, own_class
@@ -81,7 +83,7 @@ class RewritePlan:
     Args:
         precision: a precision preset that converts layers (FP8) or keeps modules in fp32; ``None``: no conversion.
         emulate_fp8: torchao emulates the FP8 GEMMs in fp32 (on CPU).
-        tensor_parallel: tensor-parallel degree; only 1 for now.
+        tensor_parallel: tensor-parallel degree; above 1 needs the tensor-parallel mesh (``tp_mesh``) of that size.
         checkpoint: which blocks to checkpoint; ``None``: none.
         saved_tensors: a transform of the activations saved for backward (``CpuOffloader``, ``Int8Compressor``),
             active during the model's forward.
@@ -112,6 +114,7 @@ class RewriteReport:
 
     steps: list[str] = field(default_factory=list)
     conversion: ConversionReport | None = None
+    tensor_parallel: TPReport | None = None
     checkpoint: CheckpointPlan | None = None
     compiled: list[str] = field(default_factory=list)
     sharded: int = 0
@@ -141,22 +144,28 @@ def with_saved_tensors(model: nn.Module, transform: SavedTensorsTransform) -> No
     setattr(model, method, types.MethodType(forward, model))
 
 
-def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None) -> RewriteReport:
+def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None, tp_mesh: Any = None) -> RewriteReport:
     """Apply ``plan`` to ``model`` in place, in the order of :data:`STEPS` (see the module docstring for why).
 
     Args:
         model: the LightningModule (or any module) with its model built, on the meta device or not.
         plan: what to apply.
         mesh: the data-parallel device mesh, for ``plan.shard == "fsdp2"``.
+        tp_mesh: the tensor-parallel device mesh, for ``plan.tensor_parallel > 1``.
 
     Raises:
-        ConfigError: ``tensor_parallel`` above 1, FSDP2 without a mesh, or a transform's own refusal.
+        ConfigError: ``tensor_parallel`` above 1 without a tensor-parallel mesh of that size, FSDP2 without a mesh,
+            or a transform's own refusal.
+        IncompatibleConfigError: a model without a tensor-parallel plan, or one whose sizes the degree does not
+            divide.
     """
     report = RewriteReport()
     if plan.precision is not None:
         report.conversion = convert_model(model, plan.precision, emulate=plan.emulate_fp8, fsdp=plan.shard == "fsdp2")
         report.steps.append("convert")
-    _tensor_parallel(plan.tensor_parallel)
+    if plan.tensor_parallel != 1:
+        report.tensor_parallel = _tensor_parallel(model, plan.tensor_parallel, tp_mesh)
+        report.steps.append("tensor_parallel")
     if plan.checkpoint is not None:
         report.checkpoint = apply_activation_checkpointing(model, plan.checkpoint)
         report.steps.append("activations")
@@ -202,7 +211,9 @@ def rewrite_at_configure_model(module: Any, plan: RewritePlan) -> None:
         if converted is not None:
             report.conversion = converted
             report.steps.append("convert")
-        applied = apply_rewrites(self, plan)
+        tp_mesh = _tp_mesh_of(self)
+        tp = 1 if tp_mesh is None else int(tp_mesh.size())
+        applied = apply_rewrites(self, replace(plan, tensor_parallel=tp), tp_mesh=tp_mesh)
         applied.conversion = applied.conversion or report.conversion
         applied.steps[:0] = report.steps
         self.__dict__[_REPORT] = applied
@@ -225,14 +236,24 @@ def _convert_by_plugin(module: Any) -> ConversionReport | None:
     return plugin.report
 
 
-def _tensor_parallel(degree: int) -> None:
-    """Step 2, tensor parallelism: a later issue. It will shard the converted layers with FP8-aware plans."""
-    if degree != 1:
+def _tp_mesh_of(module: Any) -> Any | None:
+    """The tensor-parallel mesh of the module's strategy (``TrainOptTPStrategy.tp_mesh``), ``None`` without one."""
+    trainer = getattr(module, "_trainer", None)
+    mesh = getattr(getattr(trainer, "strategy", None), "tp_mesh", None)
+    return mesh if mesh is not None and int(mesh.size()) > 1 else None
+
+
+def _tensor_parallel(model: nn.Module, degree: int, tp_mesh: Any) -> TPReport:
+    """Step 2: the model's tensor-parallel plan over ``tp_mesh``, with torchao's float8 plans where step 1 converted
+    the linear layers to ``Float8Linear``."""
+    if tp_mesh is None or int(tp_mesh.size()) != degree:
         raise ConfigError(
             "strategy.tensor_parallel_size",
             degree,
-            "tensor parallelism is not applied by the model rewrite yet; use 1 (data parallelism: ddp, zero*, fsdp).",
+            "tensor parallelism needs its device mesh: use +strategy=tp or +strategy=fsdp_tp (or pass tp_mesh=...).",
         )
+    float8 = any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    return apply_tensor_parallel(model, tp_mesh, float8=float8)
 
 
 def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:

@@ -25,10 +25,10 @@ __all__ = [
 ]
 
 Technique = Literal["fp8", "keep_fp32", "checkpoint", "offload", "int8", "compile", "chunked_ce"]
-Family = Literal["single", "ddp", "zero12", "zero3", "fsdp2", "fsdp1"]
+Family = Literal["single", "ddp", "zero12", "zero3", "fsdp2", "fsdp1", "tp", "fsdp_tp"]
 
 TECHNIQUES: tuple[Technique, ...] = ("fp8", "keep_fp32", "checkpoint", "offload", "int8", "compile", "chunked_ce")
-FAMILIES: tuple[Family, ...] = ("single", "ddp", "zero12", "zero3", "fsdp2", "fsdp1")
+FAMILIES: tuple[Family, ...] = ("single", "ddp", "zero12", "zero3", "fsdp2", "fsdp1", "tp", "fsdp_tp")
 
 #: The config key that turns each technique on, for refusal messages.
 TECHNIQUE_KEYS: dict[Technique, str] = {
@@ -64,6 +64,35 @@ TABLE: dict[Technique, dict[Family, Refusal | None]] = {
 }
 TABLE["fp8"]["fsdp1"] = _FSDP1_CONVERT
 TABLE["keep_fp32"]["fsdp1"] = _FSDP1_CONVERT
+# Tensor parallelism (+strategy=tp: TP only; +strategy=fsdp_tp: TP x FSDP2/HSDP).
+_TP_CHUNKED = Refusal(
+    "under tensor parallelism the head's logits stay sharded over the vocabulary for the loss-parallel "
+    "cross-entropy; the chunked loss computes whole-vocabulary logits per chunk from hidden states that are "
+    "sharded over the sequence.",
+    "remove loss=chunked_ce: the loss-parallel cross-entropy never holds the whole vocabulary's logits on one rank "
+    "either (each rank holds vocab/tp of them).",
+)
+_TP_FP8 = Refusal(
+    "torchao's float8 tensor-parallel plans all-gather float8 activations: gloo (CPU) has no float8 type (it "
+    "fails with 'Invalid scalar type'), and on GPUs (NCCL) this composition has not been verified in this project.",
+    "use precision=bf16 with +strategy=tp|fsdp_tp, or precision=fp8 with +strategy=fsdp (FP8 all-gathers under FSDP2).",
+)
+_TP_INT8 = Refusal(
+    "the int8 compressor quantises saved activations with a kernel that cannot read the DTensor activations "
+    "tensor parallelism saves for backward.",
+    "use activations=checkpoint or activations=offload with tensor parallelism.",
+)
+_TP_COMPILE = Refusal(
+    "a compiled block with tensor-parallel (DTensor) activations trains, but fails once it runs without grad "
+    "(validation after training steps): AttributeError: 'Tensor' object has no attribute 'elem' in AOTAutograd's "
+    "subclass wrapper (measured with torch 2.13 on 2 gloo ranks).",
+    "remove compile=true with +strategy=tp|fsdp_tp (activations=checkpoint composes).",
+)
+for _family in ("tp", "fsdp_tp"):
+    TABLE["chunked_ce"][_family] = _TP_CHUNKED
+    TABLE["compile"][_family] = _TP_COMPILE
+    TABLE["fp8"][_family] = _TP_FP8
+    TABLE["int8"][_family] = _TP_INT8
 
 
 def cell(technique: Technique, family: Family) -> Refusal | None:
@@ -71,7 +100,13 @@ def cell(technique: Technique, family: Family) -> Refusal | None:
     return TABLE[technique][family]
 
 
-def family_of(kind: str, zero_stage: int | None = None, fsdp_version: int | None = None) -> Family | None:
+def family_of(
+    kind: str,
+    zero_stage: int | None = None,
+    fsdp_version: int | None = None,
+    tensor_parallel: int = 1,
+    data_parallel: int = 1,
+) -> Family | None:
     """The column of a strategy, ``None`` for a strategy class the table does not know (``other``).
 
     Args:
@@ -79,7 +114,12 @@ def family_of(kind: str, zero_stage: int | None = None, fsdp_version: int | None
             ``deepspeed``, ``fsdp`` or ``other``.
         zero_stage: DeepSpeed's ZeRO stage.
         fsdp_version: 1 (Lightning's FSDPStrategy) or 2 (``fully_shard``).
+        tensor_parallel: the tensor-parallel size (``ParallelDims.tp``); above 1 under FSDP2's strategy class:
+            ``tp`` (no data parallelism) or ``fsdp_tp``.
+        data_parallel: the data-parallel size (``ParallelDims.dp``).
     """
+    if kind == "fsdp" and fsdp_version != 1 and tensor_parallel > 1:
+        return "fsdp_tp" if data_parallel > 1 else "tp"
     if kind == "deepspeed":
         return "zero3" if zero_stage == 3 else "zero12"
     if kind == "fsdp":

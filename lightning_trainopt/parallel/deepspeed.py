@@ -23,6 +23,7 @@ from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.checkpoint.nvme_resume import restore_nvme_optimizer_state
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.optim.schedules import peak_lr
+from lightning_trainopt.parallel.ddp import DimsSampling
 from lightning_trainopt.parallel.deepspeed_json import check_json_precision
 from lightning_trainopt.parallel.op_builds import announce_op_builds
 from lightning_trainopt.parallel.spec import StrategySpec, deepspeed_config_spec
@@ -179,7 +180,7 @@ def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
         visit(child)
 
 
-class TrainOptDeepSpeedStrategy(DeepSpeedStrategyHooks):
+class TrainOptDeepSpeedStrategy(DimsSampling, DeepSpeedStrategyHooks):
     """Lightning's ``DeepSpeedStrategy`` that also runs on CPU processes (gloo) and keeps our config consistent.
 
     Differences from the parent:

@@ -141,7 +141,7 @@ class ParallelDims:
             devices: processes per node (``trainer.devices``, resolved to a count).
             num_nodes: nodes (``trainer.num_nodes``).
             tp: tensor-parallel size (``strategy.tensor_parallel_size``).
-            dp_replicate: replicating data-parallel size.
+            dp_replicate: replicating data-parallel size (``strategy.replicate``: HSDP's replicas).
             dp_shard: sharding data-parallel size; -1 takes what the others leave.
 
         Raises:
@@ -152,7 +152,7 @@ class ParallelDims:
         _check_size("trainer.devices", devices)
         _check_size("trainer.num_nodes", num_nodes)
         _check_size("strategy.tensor_parallel_size", tp)
-        _check_size("strategy.dp_replicate", dp_replicate)
+        _check_size("strategy.replicate", dp_replicate)
         _check_size("strategy.data_parallel_size", dp_shard, allow_infer=True)
         world = devices * num_nodes
         keys: dict[str, Any] = {"trainer.devices": devices, "trainer.num_nodes": num_nodes}
@@ -165,7 +165,7 @@ class ParallelDims:
             )
         if world % (tp * dp_replicate):
             raise IncompatibleConfigError(
-                {**keys, "strategy.dp_replicate": dp_replicate, "strategy.tensor_parallel_size": tp},
+                {**keys, "strategy.replicate": dp_replicate, "strategy.tensor_parallel_size": tp},
                 f"{ranks} is not divisible by dp_replicate={dp_replicate} x tp={tp}.",
                 f"use a multiple of {tp * dp_replicate} devices, or sizes whose product divides {world}.",
             )
@@ -220,15 +220,8 @@ class ParallelDims:
             IncompatibleConfigError: the mesh (see :meth:`from_mesh`) or the strategy's ``distributed_sampler_kwargs``
                 disagree with the world size, so the sampler would read other shards than the figures count.
         """
-        world = int(world_size if world_size is not None else getattr(strategy, "world_size", 1) or 1)
-        mesh = _mesh_of(strategy)
-        dims = cls.from_mesh(mesh) if mesh is not None else cls(dp_replicate=1, dp_shard=world, tp=1, world_size=world)
-        if dims.world_size != world:
-            raise IncompatibleConfigError(
-                {"device_mesh": dims.to_dict(), "world_size": world},
-                f"the strategy's device mesh holds {dims.world_size} ranks, not the world size {world}.",
-                "build the mesh over all ranks.",
-            )
+        dims = cls.of_layout(strategy, world_size)
+        world = dims.world_size
         sampler = getattr(strategy, "distributed_sampler_kwargs", None) if world > 1 else None
         rank = int(getattr(strategy, "global_rank", 0) or 0)
         if isinstance(sampler, dict) and sampler.get("num_replicas") is not None:
@@ -240,6 +233,28 @@ class ParallelDims:
                     f"global rank {rank}), so the figures would count other samples than were read.",
                     "return ParallelDims.sampler_kwargs(global_rank) from the strategy's distributed_sampler_kwargs.",
                 )
+        return dims
+
+    @classmethod
+    def of_layout(cls, strategy: Any, world_size: int | None = None) -> ParallelDims:
+        """Dims of a strategy's layout alone: its ``device_mesh`` when it has one, else every rank a replica.
+
+        What our strategies' ``distributed_sampler_kwargs`` are made from
+        (:class:`~lightning_trainopt.parallel.ddp.DimsSampling`); :meth:`from_strategy` also checks the sampler.
+
+        Raises:
+            IncompatibleConfigError: the mesh has no known dimension names, or holds another number of ranks than
+                the world.
+        """
+        world = int(world_size if world_size is not None else getattr(strategy, "world_size", 1) or 1)
+        mesh = _mesh_of(strategy)
+        dims = cls.from_mesh(mesh) if mesh is not None else cls(dp_replicate=1, dp_shard=world, tp=1, world_size=world)
+        if dims.world_size != world:
+            raise IncompatibleConfigError(
+                {"device_mesh": dims.to_dict(), "world_size": world},
+                f"the strategy's device mesh holds {dims.world_size} ranks, not the world size {world}.",
+                "build the mesh over all ranks.",
+            )
         return dims
 
     @classmethod

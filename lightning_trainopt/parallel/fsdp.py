@@ -17,6 +17,7 @@ from lightning_trainopt._compat.lightning_internals import PathLike, shard_fully
 from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
+from lightning_trainopt.parallel.ddp import DimsSampling
 from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
 from lightning_trainopt.precision.transform_plugins import ModelTransforms
@@ -41,7 +42,7 @@ def _without_configure_model_check(module: pl.LightningModule) -> Iterator[None]
         module.__dict__.pop("configure_model", None)
 
 
-class TrainOptFSDPStrategy(ModelParallelStrategy):
+class TrainOptFSDPStrategy(DimsSampling, ModelParallelStrategy):
     """FSDP2 full sharding over all processes (no tensor parallelism), usable with any LightningModule.
 
     After ``configure_model`` builds the model (a LightningModule without one works too: its model is built in
@@ -56,9 +57,9 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         cpu_offload: keep parameters, gradients and optimizer states on the CPU (``CPUOffloadPolicy``).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).
         preset: name reported in metrics.
-        meta_init: build our GPT presets on the meta device and initialise each rank's shards after ``fully_shard``
-            (the same values as a whole build from the same seed; a rank never holds the whole model). ``False``:
-            build the whole model in host memory on every rank first.
+        meta_init: build the model on the meta device (:meth:`builds_on_meta`) and initialise each rank's shards
+            after ``fully_shard``, or read them from ``model.pretrained`` (a rank never holds the whole model).
+            ``False``: build the whole model in host memory on every rank first.
         **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments.
 
     Example::
@@ -123,13 +124,18 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         return self.shard_modules
 
     def builds_on_meta(self, module: pl.LightningModule | None) -> bool:
-        """``configure_model`` of ``module`` runs on the meta device: our GPT presets, whose init the strategy replays
-        per shard after ``fully_shard`` (:mod:`~lightning_trainopt.parallel.meta_init`). A Hugging Face model (its
-        pretrained weights are loaded whole by ``from_pretrained``) and a user's module are built whole in host memory
-        on every rank, as before."""
-        from lightning_trainopt.models import LitGPT
+        """``configure_model`` of ``module`` runs on the meta device: our GPT presets, a Hugging Face model (from its
+        config, or ``model.pretrained``, then read slice by slice) and a user's module whose ``configure_model`` builds
+        its layers (it has no parameter before); their init is replayed per shard after ``fully_shard``
+        (:mod:`~lightning_trainopt.parallel.meta_init`). A user's module that builds its model in ``__init__`` is
+        built whole, as before."""
+        from lightning_trainopt.models import LitCausalLM, LitGPT
 
-        return self.meta_init and isinstance(module, LitGPT) and module.model is None
+        if not self.meta_init or module is None:
+            return False
+        if isinstance(module, (LitGPT, LitCausalLM)):
+            return module.model is None
+        return is_overridden("configure_model", module) and next(module.parameters(), None) is None
 
     @override
     @contextlib.contextmanager
@@ -147,10 +153,15 @@ class TrainOptFSDPStrategy(ModelParallelStrategy):
         """Storage and initial values for this rank's shards of a model built on the meta device."""
         if not has_meta_tensors(model):
             return
+        from lightning_trainopt.models import LitCausalLM
+
         device = torch.device("cpu") if self.cpu_offload else self.root_device
-        n = materialize_sharded(model, device, self._meta_rng_state)
+        module = self.lightning_module
+        pretrained = module.pretrained_files() if isinstance(module, LitCausalLM) else None
+        n = materialize_sharded(model, device, self._meta_rng_state, pretrained)
         self._meta_rng_state = None
-        rank_zero_info(f"FSDP2: built on the meta device; {n} parameters initialised shard by shard on {device}.")
+        how = "read from model.pretrained" if pretrained else "initialised"
+        rank_zero_info(f"FSDP2: built on the meta device; {n} parameters {how} shard by shard on {device}.")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

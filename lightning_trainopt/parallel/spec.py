@@ -33,7 +33,7 @@ import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.deepspeed_json import load_deepspeed_json
@@ -48,7 +48,11 @@ from lightning_trainopt.parallel.zero_spec import (
     lightning_zero_config,
     read_zero,
 )
-from lightning_trainopt.planner.strategy_layout import StrategyLayout, StrategyQuestions
+from lightning_trainopt.planner.strategy_layout import StrategyLayout, StrategyQuestions, answer_strategies_with
+
+if TYPE_CHECKING:
+    from lightning_trainopt.parallel.compat_table import Family
+    from lightning_trainopt.precision.plugins import PrecisionNeeds
 
 __all__ = [
     "AUTO",
@@ -62,8 +66,10 @@ __all__ = [
     "deepspeed_config_spec",
     "fsdp_spec",
     "parse_strategy",
+    "precision_needs",
     "resolve_target",
     "spec_of",
+    "with_spec",
 ]
 
 #: ``none`` (no ``+strategy``: Lightning picks), ``ddp``, ``deepspeed``, ``fsdp`` (FSDP2, or FSDP1 by
@@ -165,6 +171,31 @@ class StrategySpec(StrategyQuestions):
     def chosen(self) -> bool:
         """The run names a strategy (``+strategy=...``); without one, Lightning picks."""
         return self.kind != "none"
+
+    @property
+    def family(self) -> Family | None:
+        """Its column in the technique x strategy table (``parallel/compat_table.py``): ``single``, ``ddp``,
+        ``zero12``, ``zero3``, ``fsdp2`` or ``fsdp1``; ``None`` for a strategy class the table does not know."""
+        return self.family_at()
+
+    def family_at(self, tensor_parallel: int = 1, data_parallel: int = 1) -> Family | None:
+        """Its column at a tensor-parallel and data-parallel size: FSDP2's class with ``tensor_parallel > 1`` is the
+        ``tp`` column (no data parallelism) or ``fsdp_tp``."""
+        from lightning_trainopt.parallel.compat_table import family_of
+
+        return family_of(self.kind, self.zero_stage, self.fsdp_version, tensor_parallel, data_parallel)
+
+    @property
+    def precision_needs(self) -> PrecisionNeeds:
+        """What this strategy needs of its Lightning precision plugin, as plain answers for ``precision/``."""
+        from lightning_trainopt.precision.plugins import PrecisionNeeds
+
+        return PrecisionNeeds(
+            strategy=self.name,
+            engine_precision=self.wraps_in_engine,
+            sharded_scaler=self.kind == "fsdp" and self.fsdp_version == 1,
+            per_param_shards=self.kind == "fsdp" and self.fsdp_version != 1,
+        )
 
     def layout(self, world_size: int) -> StrategyLayout:
         """The planner's view of this strategy on ``world_size`` devices: the one place a
@@ -336,7 +367,35 @@ def spec_of(strategy: Any) -> StrategySpec:
     config = getattr(strategy, "config", None)
     if isinstance(config, Mapping):
         return deepspeed_config_spec(config, name=name, target=target, from_json=True)
-    return StrategySpec(name=name, kind=_kind(cls)[0], target=target)
+    kind, version = _kind(cls)
+    return StrategySpec(name=name, kind=kind, target=target, fsdp_version=version)
+
+
+def precision_needs(strategy: Any) -> PrecisionNeeds:
+    """What ``strategy`` (a built Lightning strategy, or ``"auto"`` and other names Lightning resolves to one device
+    or DDP) needs of its precision plugin: the argument ``precision.trainer_precision_kwargs`` takes."""
+    from lightning_trainopt.precision.plugins import PrecisionNeeds
+
+    return PrecisionNeeds(strategy=strategy) if isinstance(strategy, str) else spec_of(strategy).precision_needs
+
+
+def with_spec(strategy: Any, spec: StrategySpec | None = None) -> Any:
+    """``strategy`` carrying its :class:`StrategySpec` as ``strategy.spec``, and returned.
+
+    The rooms below ``parallel/`` (the LightningModules' build dtype, ZeRO-3's partitioned weight loading, the fused
+    optimizer choice) read a strategy's answers from ``trainer.strategy.spec`` and never test its class. Our
+    strategies carry their spec from ``__init__``; the app's builder gives one to any other class it builds, and a
+    user who trains our modules under one of Lightning's own strategies passes it through this function::
+
+        Trainer(strategy=with_spec(DeepSpeedStrategy(stage=3)))
+
+    Args:
+        strategy: a built strategy.
+        spec: its spec when known (the node it was built from); default :func:`spec_of` the strategy.
+    """
+    if not isinstance(getattr(strategy, "spec", None), StrategySpec):
+        strategy.spec = spec if spec is not None else spec_of(strategy)
+    return strategy
 
 
 @functools.cache
@@ -429,3 +488,8 @@ def _deepspeed_node(name: str, target: str, cls: type, kwargs: dict[str, Any]) -
     zero = lightning_zero_config(args)
     config_of_kwargs = {} if zero is None else {"zero_optimization": zero}
     return deepspeed_config_spec(config_of_kwargs, name=name, target=target, from_json=False, allow_auto=True)
+
+
+# A strategy that carries no spec (Lightning's own, built by a user around our modules) is answered by class here,
+# not in models/: the room below asks through this registration.
+answer_strategies_with(spec_of)

@@ -23,7 +23,14 @@ from lightning_trainopt.planner.optimizer_state import (
     optimizer_state_model,
 )
 from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan
-from lightning_trainopt.planner.search import Candidate, SearchSpace, rank_candidates, search_plans
+from lightning_trainopt.planner.search import (
+    Candidate,
+    Parallelism,
+    SearchSpace,
+    least_parallelism,
+    rank_candidates,
+    search_plans,
+)
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.planner.terms import CATEGORIES, LOCATIONS, MemoryEstimate, Term
 from lightning_trainopt.planner.zero3_gather import gpt_module_trace, zero3_gathered_peak_numel
@@ -39,6 +46,7 @@ __all__ = [
     "MemoryEstimate",
     "ModelProfile",
     "OptimizerStateModel",
+    "Parallelism",
     "PlanEstimate",
     "PlanInputs",
     "PrecisionPlan",
@@ -55,6 +63,7 @@ __all__ = [
     "gpt_module_trace",
     "gpt_param_groups",
     "gpt_profile",
+    "least_parallelism",
     "measure_activation_bytes",
     "module_profile",
     "optimizer_state_model",

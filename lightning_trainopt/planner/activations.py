@@ -50,6 +50,7 @@ __all__ = [
     "loss_transient",
     "pinned_rounding_term",
     "placed_bytes",
+    "recomputed_block_term",
 ]
 
 _ATTENTION = ("sdpa", "math")
@@ -97,6 +98,16 @@ def compressed_bytes(nbytes_per_elem: int, numel: int, policy: ActivationPolicy)
         return nbytes_per_elem * numel
     blocks = math.ceil(numel / policy.compress_block)
     return blocks * policy.compress_block + 4 * blocks  # int8 codes padded to whole blocks + fp32 scales
+
+
+def recomputed_block_term(nbytes: int, formula: str) -> Term:
+    """The device bytes of one checkpointed block that backward re-runs, held while its gradient is computed.
+
+    Args:
+        nbytes: the block's activations.
+        formula: how they were found (analytically, or measured with and without checkpointing).
+    """
+    return Term("other", "device", "recomputed block (backward)", nbytes, formula, phase="backward")
 
 
 def pinned_rounding_term(rounded: int, of: str) -> Term:
@@ -241,16 +252,7 @@ def estimate_transformer_activations(
         terms.append(pinned_rounding_term(rounded, "tensors"))
     if n_ckpt:
         # Backward re-runs one checkpointed block and holds its activations while its gradient is computed.
-        terms.append(
-            Term(
-                "other",
-                "device",
-                "recomputed block (backward)",
-                full_block,
-                "one block's activations",
-                phase="backward",
-            )
-        )
+        terms.append(recomputed_block_term(full_block, "one block's activations"))
     terms.append(loss_transient(cfg, bt, a, loss))
     # Saved activations live from the forward to their backward: the backward phase of the step.
     return MemoryEstimate.of(replace(t, phase="backward") if t.category == "activations" else t for t in terms)

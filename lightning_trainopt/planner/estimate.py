@@ -13,6 +13,7 @@ from lightning_trainopt.planner.offload_time import Bandwidths, estimate_step_ov
 from lightning_trainopt.planner.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, fp8_transient_term, te_saved_delta
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.planner.tensor_parallel import tp_activations, tp_comm, tp_profile
 from lightning_trainopt.planner.terms import MemoryEstimate
 
 __all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
@@ -34,13 +35,18 @@ class PlanInputs:
         accumulate: gradient accumulation steps.
         devices: devices per node.
         num_nodes: nodes.
-        tensor_parallel: devices of one tensor-parallel group (``ParallelDims.tp``); the planner models data
-            parallelism only, so anything but 1 is refused until tensor-parallel memory and time are modelled.
+        tensor_parallel: devices of one tensor-parallel group (``ParallelDims.tp``, ``strategy.tensor_parallel_size``):
+            weights split over them (``tensor_parallel``), their activations by Korthikanti's formulas, and their
+            collectives charged to the step. Our GPT-shaped presets only (the module's shape names what TP splits).
         attention: ``sdpa`` or ``math``.
         adam_path: how torch Adam/AdamW runs its step (``fused``, ``foreach``, ``single_tensor``; see
             ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
         precision: the preset's model changes (FP8 layers, fp32-kept modules); ``None``: none.
         loss: the loss after the output head; ``None``: logits and ``F.cross_entropy``.
+        sequence_parallel: under TP, norms and the residual stream are split over the sequence too
+            (``strategy.sequence_parallel``; the TP plans' default).
+        replicate: HSDP replicas (``strategy.replicate``): FSDP2 shards only within each of ``replicate`` groups
+            of ``data_parallel_size / replicate`` ranks and all-reduces between them.
     """
 
     model: GPTConfig | ModelProfile
@@ -58,6 +64,8 @@ class PlanInputs:
     adam_path: str = "fused"
     precision: PrecisionPlan | None = None
     loss: LossPlan | None = None
+    sequence_parallel: bool = True
+    replicate: int = 1
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -66,13 +74,42 @@ class PlanInputs:
             raise ConfigError("trainer.num_nodes", self.num_nodes, "use a positive node count.")
         if self.accumulate < 1:
             raise ConfigError("trainer.accumulate_grad_batches", self.accumulate, "use a positive integer.")
-        if self.tensor_parallel != 1:
+        for key, value in (
+            ("strategy.tensor_parallel_size", self.tensor_parallel),
+            ("strategy.replicate", self.replicate),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(key, value, "use a positive whole number (1: none).")
+        if self.world_size % (self.tensor_parallel * self.replicate):
             raise IncompatibleConfigError(
-                {"strategy.tensor_parallel_size": self.tensor_parallel},
-                "the planner models data parallelism only (every device a replica, or a ZeRO/FSDP shard of one); "
-                "the per-device bytes and time of tensor parallelism are not modelled yet.",
-                "plan with tensor_parallel_size=1 (the same global batch over data-parallel devices).",
+                {
+                    "devices": self.world_size,
+                    "strategy.tensor_parallel_size": self.tensor_parallel,
+                    "strategy.replicate": self.replicate,
+                },
+                f"{self.world_size} devices do not split into TP {self.tensor_parallel} x {self.replicate} replicas.",
+                "use sizes whose product divides trainer.devices x trainer.num_nodes.",
             )
+        if self.replicate > 1 and not self.layout.shards_each_param:
+            raise IncompatibleConfigError(
+                {"strategy": self.layout.name, "strategy.replicate": self.replicate},
+                "HSDP replicas exist for FSDP2 only (ZeRO shards over every data-parallel rank).",
+                "use +strategy=fsdp_tp (FSDP2) with strategy.replicate, or strategy.replicate=1.",
+            )
+        if self.tensor_parallel > 1:
+            if self.layout.wraps_in_engine or self.layout.offloads_params:
+                raise IncompatibleConfigError(
+                    {"strategy": self.layout.name, "strategy.tensor_parallel_size": self.tensor_parallel},
+                    "tensor parallelism runs under FSDP2 (fsdp_tp) or alone (tp), not under DeepSpeed or offload.",
+                    "use +strategy=fsdp_tp strategy.tensor_parallel_size=K, or tensor_parallel_size=1.",
+                )
+            if not isinstance(self.model, GPTConfig):
+                raise ConfigError(
+                    "strategy.tensor_parallel_size",
+                    self.tensor_parallel,
+                    "the planner plans TP for GPT-shaped presets (model=gpt_*/llama_*), whose heads, FFN and "
+                    "hidden size it reads; plan this model with tensor_parallel_size=1.",
+                )
 
     @property
     def world_size(self) -> int:
@@ -84,6 +121,11 @@ class PlanInputs:
         """Replicas that read distinct samples (``world_size / tensor_parallel``): the global batch is
         ``micro_batch`` x ``accumulate`` x this, and ZeRO/FSDP shard over it."""
         return self.world_size // self.tensor_parallel
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks ZeRO/FSDP2 shard the model states over: the data-parallel ranks of one HSDP replica group."""
+        return self.data_parallel_size // self.replicate
 
     @property
     def profile(self) -> ModelProfile:
@@ -235,13 +277,15 @@ def estimate_plan(
     if mfu is not None and hfu is not None:
         raise ConfigError("mfu", mfu, "give hfu only (mfu is its former name).")
     hfu = mfu if mfu is not None else (0.4 if hfu is None else hfu)
-    m = inputs.profile
+    tp = inputs.tensor_parallel
+    # One rank's share of the model under TP (matrices / tp), then sharded over one replica group's ranks.
+    m = tp_profile(inputs.profile, tp)
     states = estimate_model_states(
         m.param_groups,
         inputs.trainer_precision,
         inputs.layout,
         inputs.optimizer,
-        inputs.data_parallel_size,
+        inputs.shard_size,
         accumulate=inputs.accumulate,
         adam_path=inputs.adam_path,
         module_trace=m.module_trace,
@@ -252,6 +296,11 @@ def estimate_plan(
     n_ckpt = 0 if every == 0 or not m.n_blocks else -(-m.n_blocks // every)
     fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
     acts = _activations(inputs, m, fraction)
+    if tp > 1:
+        assert isinstance(inputs.model, GPTConfig)  # PlanInputs refuses TP for other models
+        acts = tp_activations(
+            acts, inputs.model, inputs.micro_batch, inputs.seq_len, tp, inputs.sequence_parallel, inputs.attention
+        )
     hw_flops = model_flops + int(round(fraction * recompute_flops))
     tokens = inputs.micro_batch * inputs.seq_len
     per_token = hw_flops / tokens
@@ -262,7 +311,7 @@ def estimate_plan(
     overhead = estimate_step_overhead(
         memory,
         n_params=m.n_params,
-        world_size=inputs.world_size,
+        world_size=inputs.shard_size,
         devices_per_node=inputs.devices,
         accumulate=inputs.accumulate,
         layout=inputs.layout,
@@ -271,9 +320,35 @@ def estimate_plan(
         bandwidths=bandwidths or Bandwidths(),
         device_is_host=device_is_host,
     )
+    if tp > 1:
+        assert isinstance(inputs.model, GPTConfig)
+        bw = bandwidths or Bandwidths()
+        comm = tp_comm(
+            inputs.model,
+            inputs.micro_batch,
+            inputs.seq_len,
+            inputs.accumulate,
+            inputs.compute_bytes,
+            tp,
+            inputs.sequence_parallel,
+            inputs.devices,
+            n_ckpt,
+            bw.nvlink_bytes_per_s,
+            bw.network_bytes_per_s,
+        )
+        item = f"TP collectives ({comm.link})"
+        if comm.seconds is None:
+            overhead = replace(overhead, not_charged=(*overhead.not_charged, f"{item}: {comm.formula}"))
+        else:
+            overhead = replace(
+                overhead,
+                serial={**overhead.serial, item: comm.seconds},
+                formulas={**overhead.formulas, item: comm.formula},
+            )
     speed = estimate_speed(
         per_token,
-        inputs.micro_batch * inputs.seq_len * inputs.accumulate,
+        # A TP group computes its replica's tokens together: each rank does 1/tp of their FLOPs.
+        inputs.micro_batch * inputs.seq_len * inputs.accumulate / tp,
         inputs.world_size,
         peak_flops,
         hfu,

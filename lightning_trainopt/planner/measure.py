@@ -26,6 +26,7 @@ from lightning_trainopt.planner.activations import (
     compressed_bytes,
     pinned_rounding_term,
     placed_bytes,
+    recomputed_block_term,
 )
 from lightning_trainopt.planner.terms import MemoryEstimate, Term
 
@@ -234,16 +235,8 @@ def measured_activation_terms(
     if rounded:
         terms.append(pinned_rounding_term(rounded, "storages"))
     if recomputed_block_bytes:
-        terms.append(
-            Term(
-                "other",
-                "device",
-                "recomputed block (backward)",
-                recomputed_block_bytes,
-                "(saved bytes without - with checkpointing) / blocks",
-                phase="backward",
-            )
-        )
+        formula = "(saved bytes without - with checkpointing) / blocks"
+        terms.append(recomputed_block_term(recomputed_block_bytes, formula))
     out = saved.output_numel
     terms.append(
         Term(

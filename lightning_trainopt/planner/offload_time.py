@@ -64,6 +64,10 @@ class Bandwidths:
         nvme_bytes_per_s: one node's NVMe drives together, bytes/s (``hardware.nvme_gb_per_s``).
         cpu_adam_params_per_s: parameters per second CPU Adam updates on one node, all its ranks together
             (``hardware.cpu_adam_params_per_s``).
+        nvlink_bytes_per_s: one device's NVLink, bytes/s in each direction, for TP collectives inside a node
+            (``hardware.nvlink_gb_per_s``).
+        network_bytes_per_s: one device's share of the node's network, bytes/s each way, for TP collectives across
+            nodes (``hardware.network_gb_per_s``).
 
     Raises:
         ConfigError: a rate that is not positive.
@@ -73,6 +77,8 @@ class Bandwidths:
     memory_bytes_per_s: float | None = None
     nvme_bytes_per_s: float | None = None
     cpu_adam_params_per_s: float | None = None
+    nvlink_bytes_per_s: float | None = None
+    network_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for key, value, unit in (
@@ -80,6 +86,8 @@ class Bandwidths:
             ("memory_gb_per_s", self.memory_bytes_per_s, _GB),
             ("nvme_gb_per_s", self.nvme_bytes_per_s, _GB),
             ("cpu_adam_params_per_s", self.cpu_adam_params_per_s, 1.0),
+            ("nvlink_gb_per_s", self.nvlink_bytes_per_s, _GB),
+            ("network_gb_per_s", self.network_bytes_per_s, _GB),
         ):
             if value is not None and not 0 < value < math.inf:
                 raise ConfigError(f"hardware.{key}", value / unit, "use a positive, finite rate.")
@@ -180,14 +188,19 @@ def estimate_step_overhead(
     over_bytes = {D2H: 0.0, H2D: 0.0}
     over_what: dict[str, list[str]] = {D2H: [], H2D: []}
 
+    def charge(name: str, amount: float, rate: float | None, key: str, formula: str, per: str) -> None:
+        """A serial phase of ``amount / rate`` seconds; a missing rate names the hardware key that sets it."""
+        if device_is_host or not amount:
+            return
+        if rate is None:
+            missing.append(f"{name} (set hardware.{key})")
+            return
+        serial[name] = amount / rate
+        formulas[name] = f"{formula} = {per}"
+
     def link(name: str, nbytes: float, formula: str) -> None:
-        if device_is_host or not nbytes:
-            return
-        if pcie is None:
-            missing.append(f"{name} (set hardware.pcie_gb_per_s)")
-            return
-        serial[name] = nbytes / pcie
-        formulas[name] = f"{formula} = {_gb(nbytes)} / {_gb(pcie)}/s"
+        per = f"{_gb(nbytes)} / {_gb(pcie)}/s" if pcie else ""
+        charge(name, nbytes, pcie, "pcie_gb_per_s", formula, per)
 
     def beside(direction: str, nbytes: float, formula: str) -> None:
         if device_is_host or not nbytes:
@@ -196,13 +209,8 @@ def estimate_step_overhead(
         over_what[direction].append(formula)
 
     def cpu_step(name: str, params_per_node: float, formula: str) -> None:
-        if device_is_host or not params_per_node:
-            return
-        if adam is None:
-            missing.append(f"{name} (set hardware.cpu_adam_params_per_s)")
-            return
-        serial[name] = params_per_node / adam
-        formulas[name] = f"{formula} = {params_per_node:,.4g} params / {adam:,.3g} params/s"
+        per = f"{params_per_node:,.4g} params / {adam:,.3g} params/s" if adam else ""
+        charge(name, params_per_node, adam, "cpu_adam_params_per_s", formula, per)
 
     # Saved activations: offloaded over PCIe, or compressed and decompressed in device memory.
     act_cpu = memory.bytes("activations", "cpu")

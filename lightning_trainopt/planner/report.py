@@ -87,14 +87,16 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     if result.seq_len_note:
         console.print(f"[yellow]note:[/] {result.seq_len_note}")
     console.print(
-        f"precision {i.trainer_precision} | strategy {i.layout.name} ({i.layout.kind}"
-        f"{', ZeRO-' + str(i.layout.zero_stage) if i.layout.zero_stage else ''}) | activations "
+        f"precision {i.trainer_precision} | strategy {i.layout.name} ({i.layout.label}) | activations "
         f"{ch.get('activations', i.activations.name)} | optimizer {i.optimizer.name} | micro-batch {i.micro_batch} x "
         f"{i.seq_len} tokens x accumulate {i.accumulate}"
     )
     changes = _precision_line(e)
     if changes:
         console.print(changes)
+    dims = parallel_line(e)
+    if dims:
+        console.print(escape(dims))
     table = Table(title="per-device memory (GiB = 2^30 B)", show_lines=False)
     for col in ("category", "term", "formula", "phase", "device", "cpu", "nvme"):
         table.add_column(col, justify="right" if col in ("device", "cpu", "nvme") else "left")
@@ -295,6 +297,9 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
         "activations",
         "optimizer",
         *(("loss",) if with_loss else ()),
+        "TP",
+        "SP",
+        "HSDP",
         "mb x acc",
         "peak GiB/dev",
         "margin GiB",
@@ -313,6 +318,7 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             c.choices["activations"],
             c.choices["optimizer"],
             *((c.choices.get("loss", ""),) if with_loss else ()),
+            *_dims_cells(e),
             f"{e.inputs.micro_batch} x {e.inputs.accumulate}",
             _g(e.peak_device_bytes),
             "-" if e.margin_bytes is None else f"{e.margin_bytes / _GIB:,.2f}",
@@ -322,6 +328,8 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             c.reason,
         )
     console.print(table)
+    if result.parallelism:
+        console.print(f"parallelism: {escape(result.parallelism)}")
     if result.command:
         console.print(f"winner: [bold]{escape(result.command)}")
     else:
@@ -330,6 +338,34 @@ def _print_search(result: PlanResult, top_k: int, console: Console) -> None:
             f"[red]no configuration fits on {i.world_size} x {result.hardware.name}:[/] search more devices "
             f"(trainer.devices={2 * i.devices} plan.search=true), shorten data.seq_len, or choose a smaller model."
         )
+
+
+def _dims_cells(e: PlanEstimate) -> tuple[str, str, str]:
+    """The TP, SP and HSDP cells of a row: TP size, sequence parallelism, replicas x shards (``-``: none)."""
+    i = e.inputs
+    tp = str(i.tensor_parallel)
+    sp = ("yes" if i.sequence_parallel else "no") if i.tensor_parallel > 1 else "-"
+    hsdp = f"{i.replicate} x {i.shard_size}" if i.replicate > 1 else "-"
+    return tp, sp, hsdp
+
+
+def parallel_line(e: PlanEstimate) -> str:
+    """One line on the parallel layout of a plan with TP or HSDP (``""`` without): the mesh and the TP collectives."""
+    i = e.inputs
+    if i.tensor_parallel == 1 and i.replicate == 1:
+        return ""
+    tp, sp, hsdp = _dims_cells(e)
+    line = f"parallel: TP {tp} (sequence parallel: {sp}) x data parallel {i.data_parallel_size}"
+    if i.replicate > 1:
+        line += f" (HSDP {hsdp}: FSDP2 shards within each replica group)"
+    o = e.speed.overhead
+    for item, seconds in o.serial.items() if o is not None else ():
+        if item.startswith("TP collectives"):
+            line += f"; {item}: {seconds:.3g} s/step (in the step time below)"
+    for item in o.not_charged if o is not None else ():
+        if item.startswith("TP collectives"):
+            line += f"; {item}"
+    return line
 
 
 def _speed_kind(e: PlanEstimate) -> str:

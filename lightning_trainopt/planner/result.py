@@ -45,6 +45,8 @@ class PlanResult:
         seq_len_default_of: the data preset whose default ``seq_len`` is planned; empty when ``data.seq_len`` was
             set.
         seq_len_note: what to do when that default is far below the model's ``max_seq_len``; else empty.
+        parallelism: with ``plan.search=true``, the least parallelism that fits (``search.least_parallelism``), or
+            that nothing fits and pipeline parallelism or more nodes would be needed.
 
     Example::
 
@@ -64,6 +66,7 @@ class PlanResult:
     hfu: float = DEFAULT_HFU
     seq_len_default_of: str = ""
     seq_len_note: str = ""
+    parallelism: str = ""
 
     @property
     def winner(self) -> Candidate | None:
@@ -82,6 +85,7 @@ class PlanResult:
                 "seq_len_note": self.seq_len_note or None,
                 "textbook_model_state_bytes": self.textbook,
                 "model": _model_dict(self.estimate.inputs),
+                "parallelism": self.parallelism or None,
             }
         )
         if self.candidates or self.n_enumerated:
@@ -138,6 +142,9 @@ def estimate_dict(e: PlanEstimate) -> dict[str, Any]:
         "n_params": e.inputs.profile.n_params,
         "world_size": e.inputs.world_size,
         "data_parallel_size": e.inputs.data_parallel_size,
+        "tensor_parallel": e.inputs.tensor_parallel,
+        "sequence_parallel": e.inputs.sequence_parallel and e.inputs.tensor_parallel > 1,
+        "replicate": e.inputs.replicate,
         "micro_batch": e.inputs.micro_batch,
         "seq_len": e.inputs.seq_len,
         "per_device_bytes": mem.per_device(),

@@ -14,13 +14,28 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
 from lightning_trainopt.planner.estimate import PlanEstimate, PlanInputs
 from lightning_trainopt.planner.model_states import StrategyLayout
 from lightning_trainopt.planner.optimizer_state import OptimizerStateModel
 from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan
+from lightning_trainopt.planner.tensor_parallel import tp_refusal
 
-__all__ = ["Candidate", "SearchSpace", "best_per_configuration", "rank_candidates", "search_plans", "simplicity"]
+__all__ = [
+    "TP_STRATEGY",
+    "Candidate",
+    "Parallelism",
+    "SearchSpace",
+    "best_per_configuration",
+    "least_parallelism",
+    "rank_candidates",
+    "search_plans",
+    "simplicity",
+]
+
+#: The strategy preset of FSDP2 with tensor parallelism or HSDP replicas (``conf/strategy/fsdp_tp.yaml``).
+TP_STRATEGY = "fsdp_tp"
 
 # Ties on dollars and margin go to the configuration with fewer moving parts: this order, then fewer bytes.
 _SIMPLICITY = ("none", "single", "ddp", "zero1", "zero2", "fsdp", "zero3", "offload", "infinity")
@@ -40,6 +55,11 @@ class SearchSpace:
             changes nothing.
         losses: preset name -> loss, when the search chooses the loss too (``plan.search_space.loss``); empty: the
             base plan's loss, and no ``loss`` choice.
+        tensor_parallel: TP sizes to try with FSDP2 (``plan.search_space.tensor_parallel``); sizes larger than a
+            node's devices, not dividing the world, or not dividing the model's heads, KV heads, FFN width,
+            vocabulary and sequence length are skipped (TP belongs inside a node).
+        replicate: HSDP replica counts to try with FSDP2 (``plan.search_space.replicate``); those not dividing the
+            data-parallel ranks are skipped.
     """
 
     precisions: Mapping[str, str]
@@ -49,6 +69,8 @@ class SearchSpace:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     precision_plans: Mapping[str, PrecisionPlan | None] = field(default_factory=dict)
     losses: Mapping[str, LossPlan] = field(default_factory=dict)
+    tensor_parallel: tuple[int, ...] = (1,)
+    replicate: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)
@@ -94,7 +116,9 @@ def _margin(c: Candidate) -> int:
 
 
 def _configuration(c: Candidate) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted(c.choices.items()))
+    i = c.estimate.inputs
+    dims = (("replicate", str(i.replicate)), ("tensor_parallel", str(i.tensor_parallel)))
+    return tuple(sorted(c.choices.items())) + dims
 
 
 def _reason(c: Candidate, best: Candidate | None, tied: int) -> str:
@@ -159,7 +183,7 @@ def best_per_configuration(ranked: Iterable[Candidate]) -> list[Candidate]:
     seen: set[tuple[tuple[str, str], ...]] = set()
     out = []
     for c in ranked:
-        key = tuple(sorted(c.choices.items()))
+        key = _configuration(c)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -219,15 +243,20 @@ def search_plans(
     losses: dict[str | None, LossPlan | None] = {None: base.loss}
     if space.losses:
         losses = dict(space.losses.items())
-    for (pn, prec), (sn, lay), (an, act), (on, opt), (ln, loss), mb in product(
+    for (pn, prec), (sn, lay), (an, act), (on, opt), (ln, loss), mb, tp, r in product(
         space.precisions.items(),
         space.strategies.items(),
         space.activations.items(),
         space.optimizers.items(),
         losses.items(),
         space.micro_batches,
+        space.tensor_parallel,
+        space.replicate,
     ):
-        if global_seqs % (mb * base.data_parallel_size):
+        if not _dims_apply(base, lay, tp, r):
+            continue
+        dp = base.world_size // tp
+        if global_seqs % (mb * dp):
             continue
         if lay.ddp_buckets and base.world_size == 1:
             continue
@@ -241,14 +270,104 @@ def search_plans(
             activations=act,
             optimizer=opt,
             micro_batch=mb,
-            accumulate=global_seqs // (mb * base.data_parallel_size),
+            accumulate=global_seqs // (mb * dp),
             precision=space.precision_plans.get(pn),
             loss=loss,
+            tensor_parallel=tp,
+            replicate=r,
         )
         if adam_path_for is not None:
             inputs = replace(inputs, adam_path=adam_path_for(inputs))
         if allowed is not None and not allowed(choices, inputs):
             continue
+        if (tp, r) != (1, 1):
+            # FSDP2 with TP or HSDP replicas is the fsdp_tp strategy (strategy.tensor_parallel_size, .replicate).
+            choices = {**choices, "strategy": TP_STRATEGY}
+            inputs = replace(inputs, layout=replace(lay, name=TP_STRATEGY))
         n += 1
         out.append(Candidate(choices, estimate(inputs)))
     return rank_candidates(out), n
+
+
+def _dims_apply(base: PlanInputs, layout: StrategyLayout, tp: int, replicate: int) -> bool:
+    """Whether TP ``tp`` and ``replicate`` HSDP replicas are a candidate for ``layout`` around ``base``: FSDP2 without
+    offload, TP inside a node and dividing what a Megatron-style plan splits, both dividing the world."""
+    if (tp, replicate) == (1, 1):
+        return True
+    if not layout.shards_each_param or layout.offloads_params or layout.offloads_optimizer:
+        return False
+    if base.world_size % (tp * replicate) or tp > base.devices:
+        return False
+    if tp > 1 and not (isinstance(base.model, GPTConfig) and not tp_refusal(base.model, tp, base.seq_len, True)):
+        return False
+    return base.world_size // tp > 1 or replicate == 1
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The least parallelism the model needs: the lowest rung of the design articles' ladder with a fitting candidate.
+
+    Args:
+        rung: 0 data parallel (DDP: nothing sharded), 1 + ZeRO-1/2 (optimizer states and gradients sharded),
+            2 ZeRO-3 / FSDP2 (parameters sharded too), 3 ZeRO-3/FSDP2 + TP, 4 offload to CPU/NVMe, 5 nothing fits.
+        name: the rung in words (``ZeRO-3 + TP 8``).
+        candidate: the best-ranked fitting candidate on that rung (``None`` when nothing fits).
+        without_recompute: the rung was found among candidates that keep every activation (no checkpointing,
+            compression or offload); ``False``: only with one of them.
+        message: one line for the report.
+    """
+
+    rung: int
+    name: str
+    candidate: Candidate | None
+    without_recompute: bool
+    message: str
+
+
+_RUNGS = ("data parallel (DDP)", "ZeRO-1/2", "ZeRO-3 / FSDP2", "ZeRO-3 / FSDP2 + TP", "offload to CPU/NVMe")
+
+
+def _rung(c: Candidate) -> tuple[int, int]:
+    i = c.estimate.inputs
+    lay = i.layout
+    if lay.offloads_optimizer or lay.offloads_params:
+        return 4, i.tensor_parallel
+    if i.tensor_parallel > 1:
+        return 3, i.tensor_parallel
+    if lay.shards_params:
+        return 2, 1
+    if lay.shards_optimizer:
+        return 1, 1
+    return 0, 1
+
+
+def least_parallelism(ranked: Iterable[Candidate], max_tp: int) -> Parallelism:
+    """The lowest rung of DDP < ZeRO-1/2 < ZeRO-3/FSDP2 < + TP (smallest TP first) < offload with a fitting candidate,
+    preferring candidates that keep all activations (recomputation and activation offload trade speed for memory;
+    the articles' regimes are about where the model states and activations fit).
+
+    Args:
+        ranked: the search's fitting candidates, best first (:func:`search_plans`).
+        max_tp: the largest TP size the search tried (at most a node's devices), for the message when nothing fits.
+    """
+    fitting = [c for c in ranked if c.estimate.fits is not False]
+    for keep_all in (True, False):
+        pool = [c for c in fitting if not keep_all or _keeps_all(c)]
+        if pool:
+            best = min(pool, key=_rung)  # min is stable: the best-ranked of the lowest rung
+            rung, tp = _rung(best)
+            name = _RUNGS[rung] + (f" {tp}" if rung == 3 else "")
+            how = "" if keep_all else " (only with activation checkpointing, compression or offload)"
+            return Parallelism(rung, name, best, keep_all, f"least parallelism that fits: {name}{how}")
+    tried = f"ZeRO-3 / FSDP2 + TP {max_tp} inside a node" if max_tp > 1 else "ZeRO-3 / FSDP2 (no TP size searched)"
+    message = (
+        f"nothing fits, not even {tried}: the model states and activations per device exceed its memory at this "
+        "world size. More nodes (FSDP shards over them), or pipeline parallelism (not built in lightning_trainopt), "
+        "would be needed."
+    )
+    return Parallelism(5, "pipeline parallelism or more nodes", None, False, message)
+
+
+def _keeps_all(c: Candidate) -> bool:
+    a = c.estimate.inputs.activations
+    return a.checkpoint_every == 0 and not a.offload and not a.compress_bits

@@ -54,7 +54,7 @@ class SpeedEstimate:
 
 def estimate_speed(
     train_flops_per_token: float,
-    tokens_per_step_per_device: int,
+    tokens_per_step_per_device: float,
     n_devices: int,
     peak_flops: float | None,
     hfu: float,
@@ -76,7 +76,8 @@ def estimate_speed(
 
     Args:
         train_flops_per_token: FLOPs the hardware executes per token (forward + backward [+ recomputation]).
-        tokens_per_step_per_device: micro-batch x sequence length x accumulation.
+        tokens_per_step_per_device: micro-batch x sequence length x accumulation (/ TP size: a TP group shares
+            its replica's tokens).
         n_devices: devices in the job.
         peak_flops: dense peak FLOP/s of one device in the compute dtype, ``None`` when unknown.
         hfu: assumed utilisation of that peak on the executed FLOPs, in (0, 1].

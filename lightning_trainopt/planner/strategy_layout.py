@@ -11,12 +11,20 @@ parameters?" with one definition, and callers ask (``spec.shards_params``) inste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
-__all__ = ["MODEL_SIZED_BUCKET_CAP", "StrategyLayout", "StrategyQuestions", "model_sized_bucket"]
+__all__ = [
+    "MODEL_SIZED_BUCKET_CAP",
+    "StrategyLayout",
+    "StrategyQuestions",
+    "answer_strategies_with",
+    "model_sized_bucket",
+    "registered_answers",
+]
 
 _KINDS = ("single", "ddp", "fsdp", "deepspeed")
 _PLACES = ("none", "cpu", "nvme")
@@ -115,6 +123,13 @@ class StrategyQuestions:
         return self.kind == "deepspeed"
 
     @property
+    def builds_partitioned(self) -> bool:
+        """The model's parameters are created already partitioned while it is built (DeepSpeed ZeRO-3's
+        ``zero.Init``): weights must be copied in one gathered parameter at a time, and the build dtype is the
+        engine's."""
+        return self.wraps_in_engine and self.shards_params
+
+    @property
     def own_precision_plugin(self) -> bool:
         """The strategy needs its own Lightning precision plugin (DeepSpeedPrecision, FSDPPrecision)."""
         return self.kind in ("deepspeed", "fsdp")
@@ -177,6 +192,11 @@ class StrategyLayout(StrategyQuestions):
     buckets_sized_to_model: bool = False
     reshard_after_forward: bool = True
 
+    @property
+    def label(self) -> str:
+        """Its kind as the plan's header prints it: ``ddp``, ``fsdp``, ``deepspeed, ZeRO-3``."""
+        return f"{self.kind}, ZeRO-{self.zero_stage}" if self.zero_stage else self.kind
+
     def bucket_numel(self, n_params: int) -> int:
         """Elements of the reduce bucket DeepSpeed allocates for a model of ``n_params`` parameters."""
         if self.buckets_sized_to_model:
@@ -216,3 +236,21 @@ class StrategyLayout(StrategyQuestions):
     def has_strategy(self) -> bool:
         """A ``+strategy`` runs (``single``: one device, Lightning's default, none)."""
         return self.kind != "single"
+
+
+_ANSWERER: list[Callable[[Any], StrategyQuestions]] = []
+
+
+def answer_strategies_with(answerer: Callable[[Any], StrategyQuestions]) -> None:
+    """Register how a built strategy is answered: ``parallel/`` registers its ``spec_of`` when it is imported.
+
+    The rooms below ``parallel/`` (``models/``) ask about a user's own strategy (Lightning's ``DeepSpeedStrategy``
+    built around our modules, carrying no spec) through :func:`registered_answers`: ``parallel/`` hands its answerer
+    down here instead of being imported by them, and the package's ``__init__`` imports it, so it is always there.
+    """
+    _ANSWERER[:] = [answerer]
+
+
+def registered_answers(strategy: Any) -> StrategyQuestions | None:
+    """The registered answerer's :class:`StrategyQuestions` for ``strategy`` (``None`` when none is registered)."""
+    return _ANSWERER[0](strategy) if _ANSWERER else None

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from lightning_trainopt.config.strategy import build_strategy  # noqa: E402
 from lightning_trainopt.data import TextDataModule  # noqa: E402
 from lightning_trainopt.models import GPTConfig, LitGPT  # noqa: E402
+from lightning_trainopt.parallel.spec import precision_needs  # noqa: E402
 from lightning_trainopt.precision import PrecisionSpec  # noqa: E402
 from lightning_trainopt.precision.plugins import trainer_precision_kwargs  # noqa: E402
 
@@ -139,7 +140,7 @@ def main(out: str, precision: str, *overrides: str) -> None:
         enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[Probe(Path(out))],
-        **trainer_precision_kwargs(spec, strategy),
+        **trainer_precision_kwargs(spec, precision_needs(strategy)),
     )
     trainer.fit(LitGPT(GPTConfig(**model)), datamodule=dm)
     from lightning_trainopt.launch.multirun import teardown_distributed

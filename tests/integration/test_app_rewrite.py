@@ -56,9 +56,10 @@ def test_train_app_checkpoints_once_before_the_callbacks_on_fit_start(tmp_path, 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fsdp2_run_rewrites_in_the_documented_order(tmp_path, monkeypatch):
     """conversions < checkpointing < compile < fully_shard, recorded on a 1-process FSDP2 fit (gloo, CPU)."""
+    from lightning_trainopt.config.build import _instantiate_named
     from lightning_trainopt.config.model_factory import build_lightning_module
     from lightning_trainopt.config.strategy import build_strategy
-    from lightning_trainopt.launch.train import _instantiate_named
+    from lightning_trainopt.parallel.spec import precision_needs
     from lightning_trainopt.precision.plugins import trainer_precision_kwargs
 
     order: list[str] = []
@@ -98,7 +99,7 @@ def test_fsdp2_run_rewrites_in_the_documented_order(tmp_path, monkeypatch):
     from lightning_trainopt.config.run_spec import run_spec
 
     module = build_lightning_module(cfg)
-    activations = _instantiate_named(cfg.activations)
+    activations = _instantiate_named(run_spec(cfg).transforms.nodes)
     install_app_rewrites(module, activations, compile_model=True)
     precision = run_spec(cfg).precision
     strategy = build_strategy(cfg.strategy, precision, cfg.trainer)
@@ -112,7 +113,7 @@ def test_fsdp2_run_rewrites_in_the_documented_order(tmp_path, monkeypatch):
         enable_checkpointing=False,
         enable_progress_bar=False,
         callbacks=activations,
-        **trainer_precision_kwargs(precision, strategy, "cpu"),
+        **trainer_precision_kwargs(precision, precision_needs(strategy), "cpu"),
     )
     trainer.fit(module, datamodule=instantiate(cfg.data))
     assert order.index("convert") < order.index("checkpoint") < order.index("compile") < order.index("shard")

@@ -51,7 +51,7 @@ def _one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run that trained to its end (4 steps, last.ckpt at step 4), started by ``ckpt_path=auto`` in an empty folder."""
+    """A run trained to its end (4 steps, last.ckpt at step 4), started by ``ckpt_path=auto`` in an empty folder."""
     run_dir = tmp_path_factory.mktemp("finished")
     proc = _run("trainer.max_steps=4", f"hydra.run.dir={run_dir}", "ckpt_path=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,6 +10,7 @@ import pytest
 
 from lightning_trainopt.exceptions import ConfigError
 from tests.helpers.compose import REPO_ROOT, compose_config
+from tests.helpers.env import child_env
 from tests.helpers.runif import RunIf
 
 # A typical user JSON: ZeRO-3, its own optimizer, optimizer offload, a global batch instead of an accumulation.
@@ -34,6 +35,11 @@ COMMON = (
     "callbacks=none",
     "logger=none",
 )
+# What a rank that dies of SIGABRT leaves on the stderr both ranks share: PYTHONFAULTHANDLER makes every Python
+# process print "Fatal Python error: Aborted" on SIGABRT, also during interpreter finalization and from a native
+# thread; the C++ runtime prints "terminate called" first when an exception escapes. Rank 1's own exit code does not
+# reach the test (its launcher, rank 0, may have exited before it), so its stderr is the evidence.
+ABORT_MARKERS = ("Fatal Python error", "terminate called", "Aborted", "core dumped")
 
 
 @pytest.mark.slow
@@ -54,11 +60,14 @@ def test_user_json_runs_as_is_with_zero3_cpu_adam_and_derived_accumulation(tmp_p
             f"hydra.run.dir={run_dir}",
         ],
         cwd=REPO_ROOT,
+        env=child_env(REPO_ROOT, PYTHONFAULTHANDLER="1"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # ZeRO-3 on 2 processes leaves through the interpreter's exit on both ranks (no os._exit): neither aborts there.
+    assert not [m for m in ABORT_MARKERS if m in proc.stderr], proc.stderr[-4000:]
     assert ds_json.read_text() == USER_JSON  # used as is, never rewritten
     m = json.loads((run_dir / "metrics.json").read_text())
 

@@ -127,3 +127,47 @@ def test_plan_py_headline_names_the_default_seq_len_and_the_speed_line_each_flop
     assert "model FLOP/token (forward + backward) +" in out
     assert "FLOP/token executed; compute at 40% (plan.hfu, of the FLOPs executed) of the 312 TFLOP/s dense bf16" in out
     assert "issue" not in out.lower()
+
+
+def test_plan_py_plans_tensor_parallel_from_the_strategy_key():
+    # strategy.replicate is read the same way; TrainOptFSDPStrategy (+strategy=fsdp) does not take it, so plan.py
+    # refuses it there as train.py would, naming the arguments it takes.
+    proc = _run(
+        "model=llama_13b",
+        "hardware=h100",
+        "trainer.devices=8",
+        "+strategy=fsdp",
+        "+strategy.tensor_parallel_size=2",
+        "precision=bf16",
+        "data.seq_len=4096",
+        "data.batch_size=1",
+        "plan.format=json",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert (out["tensor_parallel"], out["replicate"], out["sequence_parallel"]) == (2, 1, True)
+    assert out["data_parallel_size"] == 4
+    assert "++strategy.tensor_parallel_size=2" in out["command"]
+    assert "strategy.replicate" not in out["command"]  # TrainOptFSDPStrategy takes no replicate
+    # TP 2 over NVLink: 40 layers x 4 collectives x 2 x 1/2 x b·s·h·2 B at 450 GB/s
+    tp_s = out["step_time"]["serial_s"]["TP collectives (NVLink)"]
+    assert tp_s == pytest.approx(40 * 4 * 2 * 0.5 * 4096 * 5120 * 2 / 450e9)
+
+
+def test_plan_py_search_says_which_parallelism_llama_70b_needs():
+    space = [
+        "plan.search_space.precision=[bf16]",
+        "plan.search_space.strategy=[zero2,fsdp]",
+        "plan.search_space.activations=[none]",
+        "plan.search_space.optimizer=[adamw]",
+        "plan.search_space.micro_batch=[1]",
+    ]
+    common = ["model=llama_70b", "hardware=h100", "trainer.devices=8", "data.seq_len=4096", "data.batch_size=1"]
+    proc = _run(*common, "trainer.num_nodes=8", "plan.search=true", "plan.top_k=3", *space)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = " ".join(proc.stdout.split())
+    assert "parallelism: least parallelism that fits: ZeRO-3 / FSDP2 + TP 8" in text
+    assert "+strategy=fsdp_tp" in text
+    assert "++strategy.tensor_parallel_size=8 ++strategy.replicate=1" in text
+    header = next(ln for ln in proc.stdout.splitlines() if "┃ precision" in ln)
+    assert all(f"┃ {col} " in header for col in ("TP", "SP", "HSDP"))

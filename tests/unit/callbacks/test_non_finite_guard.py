@@ -1,4 +1,5 @@
 import json
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -293,3 +294,65 @@ def test_scalar_loss_keeps_finiteness_without_a_kernel_for_a_0d_loss():
     assert _scalar(torch.tensor([1.0, 2.0])).item() == 3.0
     assert not torch.isfinite(_scalar(torch.tensor([1.0, float("nan")])))
     assert not torch.isfinite(_scalar(torch.tensor([float("inf"), float("-inf")])))
+
+
+# ---- the step's read-back: per-tensor norms combined on the host ----------------------------------------------------
+
+
+def _grads():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(64, 32, generator=g), torch.randn(32, generator=g) * 1e3, torch.randn(7, 5, generator=g)]
+
+
+def test_read_step_gives_the_losses_and_torchs_total_norm_in_one_read():
+    from lightning_trainopt.callbacks.non_finite_guard import read_step
+
+    grads = _grads()
+    with _CountOps() as ops:
+        losses, norm = read_step([torch.tensor(2.5), torch.tensor([1.0, 2.0])], grads)
+    assert losses == [2.5, 3.0]
+    expected = torch.nn.utils.get_total_norm([g.double() for g in grads]).item()
+    assert norm == pytest.approx(expected, rel=1e-6)
+    assert ops.names.count("tolist") == 1
+    assert "vector_norm" not in ops.names  # the norms are combined on the host, not by another kernel
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_read_step_norm_is_non_finite_when_one_gradient_element_is(bad):
+    from lightning_trainopt.callbacks.non_finite_guard import read_step
+
+    grads = _grads()
+    grads[2][3, 1] = bad
+    losses, norm = read_step([torch.tensor(1.0)], grads)
+    assert losses == [1.0]
+    assert not math.isfinite(norm)
+
+
+def test_read_step_combines_the_norms_without_an_fp32_overflow():
+    from lightning_trainopt.callbacks.non_finite_guard import read_step
+
+    # Each tensor's norm (1.5e19, its square 2.25e38) is finite in fp32, and so is the total (2.1e19), but the sum of
+    # the squares (4.5e38) is not: torch's fp32 combination calls these gradients non-finite, the host's hypot does not.
+    grads = [torch.full((1,), 1.5e19), torch.full((1,), 1.5e19)]
+    assert not torch.isfinite(torch.nn.utils.get_total_norm(grads))
+    _, norm = read_step([], grads)
+    assert norm == pytest.approx(1.5e19 * math.sqrt(2), rel=1e-6)
+
+
+def test_read_step_leaves_tensor_subclasses_to_torchs_total_norm():
+    from lightning_trainopt.callbacks.non_finite_guard import read_step
+
+    # A DTensor's per-tensor norm would be its own shard's: any gradient that is not a plain tensor takes torch's
+    # get_total_norm (which reduces shards), and its result is read with the losses.
+    grads = [torch.nn.Parameter(g, requires_grad=False) for g in _grads()]
+    with _CountOps() as ops:
+        losses, norm = read_step([torch.tensor(0.5)], grads)
+    assert losses == [0.5]
+    assert norm == pytest.approx(torch.nn.utils.get_total_norm([g.detach() for g in grads]).item(), rel=1e-6)
+    assert ops.names.count("tolist") == 1
+
+
+def test_read_step_without_gradients_reads_the_losses_alone():
+    from lightning_trainopt.callbacks.non_finite_guard import read_step
+
+    assert read_step([torch.tensor(1.5)], []) == ([1.5], None)

@@ -12,7 +12,7 @@ from tests.helpers.tiny_fit import tiny_data, tiny_module, tiny_trainer
 def test_fp8_fit_reports_each_layer():
     spec = FP8PrecisionSpec("fp8", "bf16-mixed", skip_small=False, keep_fp32=["RMSNorm"])
     report = PrecisionReport()
-    trainer = tiny_trainer([report], max_steps=2, **trainer_precision_kwargs(spec, "auto", "cpu"))
+    trainer = tiny_trainer([report], max_steps=2, **trainer_precision_kwargs(spec, None, "cpu"))
     trainer.fit(tiny_module(), datamodule=tiny_data())
     summary = report.summary()["precision_layers"]
     json.dumps(summary)  # metrics.json takes it as it is
@@ -25,8 +25,6 @@ def test_fp8_fit_reports_each_layer():
 
 def test_plain_presets_add_nothing():
     report = PrecisionReport()
-    trainer = tiny_trainer(
-        [report], max_steps=1, **trainer_precision_kwargs(PrecisionSpec("bf16", "bf16-mixed"), "auto")
-    )
+    trainer = tiny_trainer([report], max_steps=1, **trainer_precision_kwargs(PrecisionSpec("bf16", "bf16-mixed")))
     trainer.fit(tiny_module(), datamodule=tiny_data())
     assert report.summary() == {}

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from lightning_trainopt.config.resume import check_resume_from_cfg
+from lightning_trainopt.checkpoint.resume_check import check_resume
 from lightning_trainopt.exceptions import ConfigError
 
 STATE = {
@@ -37,16 +36,11 @@ def _checkpoint(tmp_path, layout: str, state: dict) -> str:
     return str(path)
 
 
-def _cfg(devices=2, batch_size=2, callbacks=None):
-    trainer = {"accelerator": "cpu", "devices": devices, "num_nodes": 1}
-    return OmegaConf.create({"trainer": trainer, "data": {"batch_size": batch_size}, "callbacks": callbacks or {}})
-
-
 @pytest.mark.parametrize("layout", ["file", "deepspeed", "fsdp"])
 def test_another_global_batch_mid_epoch_is_refused_naming_the_batch_that_resumes(tmp_path, layout):
     ckpt = _checkpoint(tmp_path, layout, STATE)
     with pytest.raises(ConfigError) as err:
-        check_resume_from_cfg(_cfg(devices=1, batch_size=2), ckpt, 1)
+        check_resume(ckpt, 2, 1)
     assert err.value.key == "data.batch_size"
     assert "resume with data.batch_size=4 on 1 rank" in str(err.value)
 
@@ -55,9 +49,9 @@ def test_another_global_batch_mid_epoch_is_refused_naming_the_batch_that_resumes
 def test_the_same_global_batch_on_any_number_of_ranks_resumes(tmp_path, devices, batch_size):
     ckpt = _checkpoint(tmp_path, "file", STATE)
     assert devices * batch_size == STATE["batch_size"] * STATE["num_replicas"]  # the global batch it was read with
-    check_resume_from_cfg(_cfg(devices=devices, batch_size=batch_size), ckpt, devices)
+    check_resume(ckpt, batch_size, devices)
     with pytest.raises(ConfigError, match=f"resume with data.batch_size={batch_size} on {devices} rank"):
-        check_resume_from_cfg(_cfg(devices=devices, batch_size=batch_size + 1), ckpt, devices)
+        check_resume(ckpt, batch_size + 1, devices)
 
 
 @pytest.mark.parametrize(
@@ -68,20 +62,20 @@ def test_the_same_global_batch_on_any_number_of_ranks_resumes(tmp_path, devices,
     ],
 )
 def test_a_position_at_an_epoch_boundary_resumes_with_any_batch(tmp_path, state):
-    check_resume_from_cfg(_cfg(devices=1, batch_size=3), _checkpoint(tmp_path, "file", state), 1)
+    check_resume(_checkpoint(tmp_path, "file", state), 3, 1)
     # The same batch mid-epoch is refused: the position decides.
     (tmp_path / "mid").mkdir()
     mid_epoch = _checkpoint(tmp_path / "mid", "file", STATE)
     with pytest.raises(ConfigError, match="data.batch_size=4"):
-        check_resume_from_cfg(_cfg(devices=1, batch_size=3), mid_epoch, 1)
+        check_resume(mid_epoch, 3, 1)
 
 
 def test_a_micro_batch_chosen_at_run_time_is_left_to_the_loader(tmp_path):
-    finder = {"micro_batch_finder": {"_target_": "lightning_trainopt.callbacks.MicroBatchFinder"}}
+    # train.py passes RunSpec.data.fixed_batch_size: None under a MicroBatchFinder (tests/unit/config/test_run_spec.py).
     ckpt = _checkpoint(tmp_path, "file", STATE)
-    check_resume_from_cfg(_cfg(devices=1, batch_size=2, callbacks=finder), ckpt, 1)
-    with pytest.raises(ConfigError, match="data.batch_size=4"):  # the same batch without the finder is refused
-        check_resume_from_cfg(_cfg(devices=1, batch_size=2), ckpt, 1)
+    check_resume(ckpt, None, 1)
+    with pytest.raises(ConfigError, match="data.batch_size=4"):  # the same batch, known, is refused
+        check_resume(ckpt, 2, 1)
 
 
 def _epochs(processed, completed):

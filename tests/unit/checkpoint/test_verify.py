@@ -117,7 +117,8 @@ def test_auto_starts_without_checkpoints_and_resumes_the_newest_complete_one(tmp
     _truncate(_save(tmp_path / "step000010.ckpt", age_s=10), 0.5)
     with caplog.at_level(logging.WARNING):
         assert auto_resume_checkpoint(tmp_path) == str(good)
-    assert "ckpt_path=auto: skipping" in caplog.text and "step000010.ckpt" in caplog.text
+    assert "ckpt_path=auto: skipping" in caplog.text
+    assert "step000010.ckpt" in caplog.text
 
 
 def test_auto_starts_afresh_when_no_checkpoint_is_complete(tmp_path, caplog):
@@ -125,7 +126,8 @@ def test_auto_starts_afresh_when_no_checkpoint_is_complete(tmp_path, caplog):
     _truncate(_save(tmp_path / "last.ckpt"), 0.3)
     with caplog.at_level(logging.WARNING):
         assert auto_resume_checkpoint(tmp_path) is None
-    assert "no complete checkpoint" in caplog.text and "last.ckpt: the zip archive is truncated" in caplog.text
+    assert "no complete checkpoint" in caplog.text
+    assert "last.ckpt: the zip archive is truncated" in caplog.text
 
 
 def test_state_that_cannot_be_unpickled_is_a_config_error(tmp_path):

@@ -120,6 +120,18 @@ def test_model_parallel_auto_data_parallel_size():
     _require(getattr(strategy, "_data_parallel_size", None) == "auto", "ModelParallelStrategy._data_parallel_size")
 
 
+def test_model_parallel_sizes_and_mesh_are_settable():
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    li.set_model_parallel_sizes(strategy, 2, 3)
+    _require(
+        (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 3),
+        "ModelParallelStrategy._data_parallel_size/_tensor_parallel_size",
+    )
+    _require(hasattr(pl.LightningModule(), "_device_mesh"), "LightningModule._device_mesh")
+    li.set_device_mesh(strategy, "mesh")
+    _require(strategy.device_mesh == "mesh", "ModelParallelStrategy._device_mesh")
+
+
 def test_path_type_matches_lightnings():
     from lightning.fabric.utilities.types import _PATH
 

@@ -72,3 +72,14 @@ def test_compiled_module_detection_without_compiling():
     wrapped = torch.compile(plain)
     _require(ti.compiled_original(wrapped) is plain, "OptimizedModule._orig_mod")
     assert ti.compiled_original(plain) is plain
+
+
+def test_foreach_norms_is_each_tensors_l2_norm_in_its_dtype():
+    _require(callable(getattr(torch, "_foreach_norm", None)), "torch._foreach_norm")
+    tensors = [torch.tensor([3.0, 4.0]), torch.ones(2, 2, dtype=torch.float64), torch.tensor([float("nan")])]
+    norms = ti.foreach_norms(tensors)
+    assert [n.shape for n in norms] == [torch.Size([])] * 3
+    assert [n.dtype for n in norms] == [torch.float32, torch.float64, torch.float32]
+    assert norms[0].item() == 5.0
+    assert norms[1].item() == 2.0
+    assert norms[2].isnan()

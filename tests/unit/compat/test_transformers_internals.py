@@ -49,3 +49,20 @@ def test_a_marked_parameter_is_skipped_by_hf_init_unless_the_mark_is_lifted():
         initialization.normal_(p)
     assert not bool((p == 0).all())
     assert p._is_hf_initialized is True
+
+
+def test_build_order_follows_post_init_of_the_nested_model_before_the_head():
+    # transformers 5: LlamaModel's own post_init initialises it inside LlamaForCausalLM.__init__, before the head is
+    # constructed; the meta build's replay (tests/unit/parallel/test_meta_build.py) relies on this order.
+    config = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    steps = [(module, init is not None) for module, init in ti.build_order(model)]
+    inner_init = steps.index((model.model, True))
+    head_built = steps.index((model.lm_head, False))
+    _require(inner_init < head_built, "PreTrainedModel.post_init initialising a nested model in its __init__")
+    assert steps.index((model.model.embed_tokens, False)) < steps.index((model.model.embed_tokens, True)) < inner_init
+    assert steps[-1] == (model, True)
+    assert ti.build_order(torch.nn.Linear(2, 2)) == []

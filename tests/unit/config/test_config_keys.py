@@ -120,7 +120,7 @@ def test_a_new_preset_with_a_misspelt_key_fails_the_check(tmp_path):
         # (the base classes of ours), bitsandbytes' arguments, torch's profiler.
         (
             ["+strategy=ddp", "+strategy.find_unused_parameter=true"],
-            "strategy.find_unused_parameter=True: unknown argument of lightning.pytorch.strategies.DDPStrategy; "
+            "strategy.find_unused_parameter=True: unknown argument of lightning_trainopt.parallel.TrainOptDDPStrategy; "
             "did you mean find_unused_parameters?",
         ),
         (
@@ -226,7 +226,7 @@ def test_a_target_that_needs_a_missing_package_is_left_to_the_preflight(tmp_path
 
 @pytest.mark.parametrize(("preset", "name"), [("ddp", "ddp"), ("zero2", "zero2"), ("fsdp_offload", "fsdp_offload")])
 def test_a_strategy_preset_is_named_without_a_name_key(monkeypatch, preset, name):
-    # Strategy presets carry `preset:` (an argument of our strategies); ddp has none and goes by its class.
+    # Strategy presets carry `preset:` (an argument of our strategies).
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # as an API caller without @hydra.main
     node = OmegaConf.load(CONF / "strategy" / f"{preset}.yaml")
     assert "name" not in node
@@ -271,7 +271,7 @@ def _hydra_error(overrides: list[str]) -> Exception:
         (
             "+strategy=zero9",
             "strategy=zero9: no such preset; did you mean strategy=zero3? conf/strategy/ has ddp, deepspeed_json, "
-            "fsdp, fsdp_offload, zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.",
+            "fsdp, fsdp_offload, fsdp_tp, tp, zero1, zero2, zero2_offload, zero3, zero3_offload, zero_infinity.",
         ),
     ],
 )

@@ -40,7 +40,7 @@ def test_gpt_presets_stay_the_default(tmp_path):
     module = build_lightning_module(cfg)
     assert model_kind(cfg.model) == "gpt"
     assert isinstance(module, LitGPT)
-    assert model_name(cfg, module) == "gpt_tiny"
+    assert model_name(cfg.model.name, module) == "gpt_tiny"
     assert count_params(meta_module(cfg)) == module.config.n_params()
 
 
@@ -82,10 +82,10 @@ def test_metrics_name_and_count_of_each_kind(tmp_path):
     hf.configure_model()
     # GPT-2 ties lm_head to the embedding: counted once.
     assert count_params(hf) == sum(p.numel() for p in hf.model.parameters()) == count_params(meta_module(hf_cfg))
-    assert model_name(hf_cfg, hf) == "gpt2"
+    assert model_name(None, hf) == "gpt2"
     user_cfg = compose_config(MODULE, tmp_path)
     user = build_lightning_module(user_cfg)
-    assert model_name(user_cfg, user) == "UserLM"
+    assert model_name(None, user) == "UserLM"
     assert count_params(user) == sum(p.numel() for p in user.parameters()) > 0
     assert model_vocab_size(user) == 256
 
@@ -155,7 +155,7 @@ def test_hf_models_are_refused_before_anything_starts(tmp_path, overrides, key, 
 
 def test_hf_model_with_synthetic_data_of_its_vocabulary_passes(tmp_path):
     pytest.importorskip("transformers")
-    from lightning_trainopt.launch.train import data_vocab_size
+    from lightning_trainopt.config.build import data_vocab_size
     from tests.helpers.hf_files import write_config
 
     file = write_config("llama", tmp_path / "llama", vocab_size=512)

@@ -58,3 +58,65 @@ def test_a_seed_that_is_no_whole_number_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as err:
         run_spec(cfg)
     assert err.value.key == "seed"
+
+
+def _config_nodes(value, path="run"):
+    """Paths of the DictConfig/ListConfig values anywhere in a spec (dataclass fields, dicts, lists, tuples)."""
+    from omegaconf import DictConfig, ListConfig
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return [path]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [p for f in dataclasses.fields(value) for p in _config_nodes(getattr(value, f.name), f"{path}.{f.name}")]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _config_nodes(v, f"{path}[{k!r}]")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _config_nodes(v, f"{path}[{i}]")]
+    return []
+
+
+def test_the_groups_built_as_objects_are_held_as_plain_values():
+    cfg = compose_config(
+        ["trainer.accelerator=cpu", "activations=checkpoint", "+strategy=fsdp", "precision=bf16", "logger=csv"]
+    )
+    run = run_spec(cfg)
+    assert _config_nodes(run) == []
+    assert run.optimizer.node["betas"] == [0.9, 0.95]
+    assert isinstance(run.optimizer.node["betas"], list)
+    assert run.optimizer.scheduler["_target_"] == cfg.scheduler._target_
+    assert run.data.node["_target_"] == cfg.data._target_
+    assert (run.model.kind, run.model.name, run.model.loss) == ("gpt", cfg.model.name, None)
+    assert list(run.callbacks.nodes) == [k for k, v in cfg.callbacks.items() if v is not None]
+    assert list(run.trainer.loggers) == ["csv"]
+    assert run.trainer.options["accelerator"] == "cpu"
+    assert run.transforms.nodes["activation_checkpointing"]["_target_"] == run.transforms.activations[0]
+    assert run.parallelism.strategy_node["_target_"] == cfg.strategy._target_
+    assert run.parallelism.on_cpu
+    assert run.data.fixed_batch_size == run.data.batch_size
+
+
+def test_a_micro_batch_finder_leaves_the_resume_check_no_fixed_batch():
+    cfg = compose_config(["callbacks=[default,micro_batch_finder]", "trainer.accelerator=cpu", "data.batch_size=2"])
+    assert run_spec(cfg).data.fixed_batch_size is None
+
+
+# Hydra's own: the job's name in the run directory (conf/hydra/default.yaml), not a setting of the run.
+_NOT_RUN_SETTINGS = {"task_name"}
+
+
+def test_every_setting_of_train_yaml_is_read_into_the_spec():
+    # A new top-level option goes in conf/train.yaml and in one section of RunSpec; this fails while it changes no
+    # field (so train.py would have to read it from the DictConfig).
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.config.tree import CONF_DIR
+
+    root = OmegaConf.load(CONF_DIR / "train.yaml")
+    settings = [str(k) for k in root if k != "defaults" and k not in _NOT_RUN_SETTINGS]
+    assert {"seed", "compile", "ckpt_path", "continue_on_oom"} <= set(settings)
+    base = run_spec(compose_config(["trainer.accelerator=cpu"]))
+    for key in settings:
+        value = root[key]
+        changed = (not value) if isinstance(value, bool) else value + 1 if isinstance(value, int) else "changed"
+        run = run_spec(compose_config(["trainer.accelerator=cpu", f"{key}={str(changed).lower()}"]))
+        assert run != base, f"{key}={changed} changes no field of RunSpec: read it in config/run_spec.py"

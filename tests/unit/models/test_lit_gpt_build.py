@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from lightning_trainopt.models import GPTConfig, LitGPT
+from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, with_spec
 
 CFG = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=172, vocab_size=256, max_seq_len=64)
 
 
-def _built(strategy, precision: str) -> set[torch.dtype]:
+def _built(strategy, precision: str, answers: bool = True) -> set[torch.dtype]:
+    """The dtypes of a LitGPT built under ``strategy``, carrying the answers parallel/ works out for it (or not)."""
     module = LitGPT(CFG)
-    module._trainer = SimpleNamespace(strategy=strategy, precision=precision)
+    module._trainer = SimpleNamespace(strategy=with_spec(strategy) if answers else strategy, precision=precision)
     module.configure_model()
     return {p.dtype for p in module.parameters()}
 
@@ -38,12 +40,22 @@ def test_fp32_zero3_and_other_strategies_build_as_lightning_asks():
     assert _built(DDPStrategy(), "bf16-mixed") == {torch.float32}
 
 
+def test_the_module_reads_the_strategys_answers_not_its_class():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    # Ours carry their spec from __init__.
+    assert _built(TrainOptDeepSpeedStrategy(stage=2), "bf16-mixed", answers=False) == {torch.bfloat16}
+    # Lightning's own, built by a user without with_spec: the answerer parallel/ registers when the package is
+    # imported answers it, so a user's own Trainer builds as before (half weights under ZeRO-2).
+    assert _built(DeepSpeedStrategy(stage=2), "bf16-mixed", answers=False) == {torch.bfloat16}
+
+
 def test_half_build_draws_the_weights_an_fp32_build_rounds_to():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     torch.manual_seed(0)
     module = LitGPT(CFG)
-    module._trainer = SimpleNamespace(strategy=DeepSpeedStrategy(stage=2), precision="bf16-mixed")
+    module._trainer = SimpleNamespace(strategy=with_spec(DeepSpeedStrategy(stage=2)), precision="bf16-mixed")
     module.configure_model()
     torch.manual_seed(0)
     reference = LitGPT(CFG)

@@ -1,7 +1,10 @@
-"""One rank of a real 2 (data parallel) x 2 (tensor parallel) run on CPU (gloo), started by torch.distributed.run.
+"""One rank of a real 2 (data parallel) x 2 (tensor parallel) run on CPU (gloo), started by torch.distributed.run,
+then of a DDP run on the same 4 processes.
 
-Lightning's ModelParallelStrategy builds the device mesh; each rank writes what ParallelDims read from the Trainer,
-the sharding its training loader got and the batches it trained on, for tests/unit/parallel/test_dims.py.
+Lightning's ModelParallelStrategy builds the device mesh, with our sampler arguments (``DimsSampling``: from
+ParallelDims); each rank writes what ParallelDims read from the Trainer, the sharding its training loader got, what
+Lightning's own strategy would have given and the batches it trained on, for tests/unit/parallel/test_dims.py. The
+DDP run (``TrainOptDDPStrategy``, the ``ddp`` preset's class) records the same beside Lightning's DDPStrategy's own.
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node=4 tests/unit/parallel/_dims_worker.py OUT_DIR
 """
@@ -14,19 +17,26 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from lightning_trainopt.callbacks import SpeedMonitor  # noqa: E402
+from lightning_trainopt.parallel.ddp import DimsSampling, TrainOptDDPStrategy  # noqa: E402
 from lightning_trainopt.parallel.dims import ParallelDims  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data, tiny_module  # noqa: E402
 
 
-class Probe(pl.Callback):
-    """Records the dims, the loader's sharding and every training batch of this rank."""
+class DimsModelParallel(DimsSampling, ModelParallelStrategy):
+    """Lightning's tensor-parallel strategy with the sampler arguments our strategies take from ParallelDims."""
 
-    def __init__(self) -> None:
+
+class Probe(pl.Callback):
+    """Records the dims, the loader's sharding (and what Lightning's own ``stock`` class would give) and every
+    training batch of this rank."""
+
+    def __init__(self, stock: type) -> None:
+        self.stock = stock
         self.seen: dict[str, Any] = {"batches": []}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -39,19 +49,19 @@ class Probe(pl.Callback):
             dp=dims.dp,
             dp_rank=dims.dp_rank(trainer.global_rank),
             sampler={"num_replicas": sampler.num_replicas, "rank": sampler.rank},
+            lightning_sampler=self.stock.distributed_sampler_kwargs.fget(trainer.strategy),
         )
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.seen["batches"].append(batch[0].tolist())
 
 
-def main(out: Path) -> None:
-    probe = Probe()
-    speed = SpeedMonitor(log_every_n_steps=1, warmup_steps=0, peak_tflops=1.0)
+def _fit(strategy: Any, stock: type, callbacks: list[Any]) -> tuple[pl.Trainer, Probe]:
+    probe = Probe(stock)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=4,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+        strategy=strategy,
         max_steps=3,
         logger=False,
         enable_checkpointing=False,
@@ -59,10 +69,21 @@ def main(out: Path) -> None:
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[probe, speed],
+        callbacks=[probe, *callbacks],
     )
     trainer.fit(tiny_module(), tiny_data(batch_size=2, seq_len=16))
+    return trainer, probe
+
+
+def main(out: Path) -> None:
+    speed = SpeedMonitor(log_every_n_steps=1, warmup_steps=0, peak_tflops=1.0)
+    trainer, probe = _fit(
+        DimsModelParallel(data_parallel_size=2, tensor_parallel_size=2), ModelParallelStrategy, [speed]
+    )
     seen = {**probe.seen, "throughput": speed.summary()["throughput"]}
+    # The same processes again under DDP (the process group is kept): every rank its own replica, as before.
+    _, ddp = _fit(TrainOptDDPStrategy(), DDPStrategy, [])
+    seen["ddp"] = ddp.seen
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
 
 

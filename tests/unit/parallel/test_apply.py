@@ -32,13 +32,19 @@ STRATEGY_NODES: dict[str, dict[str, Any] | None] = {
     "single": None,
     "ddp": {"_target_": "lightning.pytorch.strategies.DDPStrategy", "name": "ddp"},
     "fsdp1": {"_target_": "lightning.pytorch.strategies.FSDPStrategy", "name": "fsdp1"},
+    "tp": {"_target_": "lightning_trainopt.parallel.TrainOptTPStrategy", "name": "tp"},
+    "fsdp_tp": {"_target_": "lightning_trainopt.parallel.TrainOptTPStrategy", "name": "fsdp_tp"},
 }
+#: ``(tensor_parallel, world_size)`` of the tensor-parallel families for pre-flight; 1 x 1 for the others.
+FAMILY_DIMS = {"tp": (2, 2), "fsdp_tp": (2, 4)}
 #: OK cells of DeepSpeed families: not walked here (a DeepSpeed engine needs Lightning's CPU patches); checkpointing
 #: under zero1/zero2/zero3 is walked by tests/integration/test_memory_techniques_distributed.py.
 #: FSDP1 cannot run on a CPU at all (torch: "FSDP needs a non-CPU accelerator device"; pre-flight refuses it there).
 NOT_WALKED_HERE = {(t, f) for t in TECHNIQUES for f in ("zero12", "zero3")} | {
     (t, "fsdp1") for t in TECHNIQUES if TABLE[t]["fsdp1"] is None
 }
+#: The OK cells of tp and fsdp_tp are walked by tests/unit/parallel/test_tp.py's 4-process worker (a TP mesh).
+NOT_WALKED_HERE |= {(t, f) for t in TECHNIQUES for f in ("tp", "fsdp_tp") if TABLE[t][f] is None}
 WALKED = {"single", "ddp", "fsdp2"}
 
 
@@ -89,7 +95,7 @@ def test_the_steps_run_in_order_and_the_model_trains():
     assert torch.isfinite(torch.tensor(loss))
 
 
-def test_tensor_parallel_is_a_named_step_that_refuses_for_now():
+def test_tensor_parallel_is_a_named_step_that_refuses_without_its_mesh():
     with pytest.raises(ConfigError, match=r"strategy.tensor_parallel_size=2"):
         apply_rewrites(GPT(SHAPE), RewritePlan(tensor_parallel=2))
 
@@ -100,7 +106,14 @@ def test_every_refused_cell_is_refused_by_preflight_with_its_reason():
     for technique, family in refused:
         refusal = TABLE[technique][family]
         assert refusal is not None
-        p = PreflightInput(strategy=parse_strategy(STRATEGY_NODES[family]), accelerator="gpu", techniques=(technique,))
+        tp, world = FAMILY_DIMS.get(family, (1, 1))
+        p = PreflightInput(
+            strategy=parse_strategy(STRATEGY_NODES[family]),
+            accelerator="gpu",
+            techniques=(technique,),
+            tensor_parallel=tp,
+            world_size=world,
+        )
         with pytest.raises(IncompatibleConfigError) as err:
             preflight(p)
         assert refusal.reason in str(err.value)

@@ -16,12 +16,13 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from omegaconf import OmegaConf
 
 from lightning_trainopt.callbacks import CostMonitor, MicroBatchFinder, SpeedMonitor
+from lightning_trainopt.config.run_spec import DataSpec
 from lightning_trainopt.data.resumable_loader import ResumableDataLoader
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.launch.train import _collect_metrics
 from lightning_trainopt.metrics.flops import transformer_flops
-from lightning_trainopt.parallel import ParallelDims
+from lightning_trainopt.parallel import DimsSampling, ParallelDims
 from lightning_trainopt.planner import PlanInputs, estimate_plan
 from lightning_trainopt.planner.result import estimate_dict
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
@@ -127,6 +128,29 @@ def test_dims_from_a_lightning_model_parallel_mesh():
     assert ParallelDims.from_strategy(MeshStrategy(mesh, 4, global_rank=3, sampler=sampler)) == DP2_TP2
     titan = FakeMesh(dp_replicate=2, dp_shard=2, tp=2)
     assert ParallelDims.from_mesh(titan).to_dict() == {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+
+
+class TensorParallelStrategy(DimsSampling, MeshStrategy):
+    """A 2 (data parallel) x 2 (tensor parallel) strategy whose sampler arguments come from ParallelDims."""
+
+
+def test_our_sampler_gives_the_ranks_of_one_tensor_parallel_group_one_replica():
+    mesh = FakeMesh(data_parallel=2, tensor_parallel=2)
+    ranks = [TensorParallelStrategy(mesh, 4, global_rank=r) for r in range(4)]
+    assert [s.distributed_sampler_kwargs for s in ranks] == [{"num_replicas": 2, "rank": rep} for rep in (0, 0, 1, 1)]
+    # The train-start check agrees with it (a sampler by rank is refused: the test below).
+    assert all(ParallelDims.from_strategy(s) == DP2_TP2 for s in ranks)
+    # Without a mesh (DDP, DeepSpeed; FSDP2 before set-up) every rank is a replica, as Lightning's DDP shards.
+    assert TensorParallelStrategy(None, 4, global_rank=3).distributed_sampler_kwargs == {"num_replicas": 4, "rank": 3}
+
+
+def test_every_strategy_the_app_builds_takes_its_sampler_from_parallel_dims():
+    from lightning_trainopt.parallel import TrainOptDDPStrategy, TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
+
+    for cls in (TrainOptDDPStrategy, TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy):
+        assert cls.distributed_sampler_kwargs is DimsSampling.distributed_sampler_kwargs, cls
+    preset = OmegaConf.load(ROOT / "lightning_trainopt" / "conf" / "strategy" / "ddp.yaml")
+    assert preset._target_ == "lightning_trainopt.parallel.TrainOptDDPStrategy"
 
 
 def test_a_strategy_without_a_mesh_makes_every_rank_a_replica():
@@ -240,9 +264,9 @@ def test_metrics_json_reports_the_data_parallel_size_beside_the_world_size():
         clock.on_train_batch_end(trainer, None, None, torch.zeros(4, 16), 0)
     clock.on_train_end(trainer, None)
     assert clock.dims == DP2_TP2  # read (and the sampler checked) when training started
-    cfg = OmegaConf.create({"data": {"batch_size": 4, "seq_len": 16}})
+    data = DataSpec(batch_size=4, seq_len=16, batch_chosen_at_run_time=False, node={})
     precision = SimpleNamespace(name="bf16", trainer_precision="bf16-mixed")
-    metrics = _collect_metrics(cfg, trainer, torch.nn.Linear(2, 2), "m", clock, precision, {}, 12.0, None, {})
+    metrics = _collect_metrics(data, trainer, torch.nn.Linear(2, 2), "m", clock, precision, {}, 12.0, None, {})
     assert metrics["world_size"] == 4
     assert metrics["data_parallel_size"] == 2
     assert metrics["parallel_dims"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
@@ -264,7 +288,8 @@ def test_the_planner_counts_replicas_and_refuses_tensor_parallelism_it_does_not_
 
 @pytest.mark.slow
 def test_a_real_2x2_mesh_on_4_processes(tmp_path):
-    """Lightning's ModelParallelStrategy on 4 gloo processes: dims, sampler ranks and the batches each rank read."""
+    """Lightning's ModelParallelStrategy (with our DimsSampling) on 4 gloo processes: dims, sampler ranks and the
+    batches each rank read; then TrainOptDDPStrategy on the same processes shards as Lightning's DDPStrategy does."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
     worker = ROOT / "tests" / "unit" / "parallel" / "_dims_worker.py"
@@ -275,7 +300,10 @@ def test_a_real_2x2_mesh_on_4_processes(tmp_path):
         assert seen["rank"] == r
         assert seen["dims"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
         assert (seen["world_size"], seen["dp"], seen["dp_rank"]) == (4, 2, r // 2)
-        assert seen["sampler"] == {"num_replicas": 2, "rank": r // 2}
+        assert seen["sampler"] == seen["lightning_sampler"] == {"num_replicas": 2, "rank": r // 2}
+        ddp = seen["ddp"]
+        assert ddp["dims"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 1}
+        assert ddp["sampler"] == ddp["lightning_sampler"] == {"num_replicas": 4, "rank": r}
         t = seen["throughput"]
         assert t["tokens"] == 3 * 2 * 16
         assert t["tokens_per_s_total"] == pytest.approx(t["tokens"] * 2 / t["seconds"], rel=1e-9)
@@ -283,3 +311,5 @@ def test_a_real_2x2_mesh_on_4_processes(tmp_path):
     assert ranks[0]["batches"] == ranks[1]["batches"]
     assert ranks[2]["batches"] == ranks[3]["batches"]
     assert ranks[0]["batches"] != ranks[2]["batches"]
+    ddp_batches = [json.dumps(seen["ddp"]["batches"]) for seen in ranks]
+    assert len(set(ddp_batches)) == 4  # under DDP every rank reads its own samples

@@ -34,6 +34,8 @@ MEANING = {
     "deepspeed_json": ("deepspeed", 2, "cpu", "none"),  # what the JSON written by _preset() says
     "fsdp": ("fsdp", 0, "none", "none"),
     "fsdp_offload": ("fsdp", 0, "cpu", "cpu"),
+    "fsdp_tp": ("fsdp", 0, "none", "none"),
+    "tp": ("fsdp", 0, "none", "none"),
     "zero1": ("deepspeed", 1, "none", "none"),
     "zero2": ("deepspeed", 2, "none", "none"),
     "zero2_offload": ("deepspeed", 2, "cpu", "none"),

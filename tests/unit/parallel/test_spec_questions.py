@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ast
 import re
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -30,19 +30,20 @@ QUESTIONS = (
     "wraps_in_engine",
     "steps_cpu_adam",
     "own_precision_plugin",
+    "builds_partitioned",
 )
 # What each preset does, written out by hand from docs/strategies.md (columns in the order of QUESTIONS).
 ANSWERS = {
-    "ddp": "- - - - - - - - - - D - - -",
-    "deepspeed_json": "O G - - - o - - F - - E C P",  # ZeRO-2 with CPU optimizer offload (the JSON of _preset)
-    "fsdp": "O G S S - - - - - E - - - P",
-    "fsdp_offload": "O G S S - o p - - E - - - P",
-    "zero1": "O - - - B - - - F - - E - P",
-    "zero2": "O G - - - - - - F - - E - P",
-    "zero2_offload": "O G - - - o - - F - - E C P",
-    "zero3": "O G S S - - - - F - - E - P",
-    "zero3_offload": "O G S S - o p - F - - E C P",
-    "zero_infinity": "O G S S - o p n F - - E C P",
+    "ddp": "- - - - - - - - - - D - - - -",
+    "deepspeed_json": "O G - - - o - - F - - E C P -",  # ZeRO-2 with CPU optimizer offload (the JSON of _preset)
+    "fsdp": "O G S S - - - - - E - - - P -",
+    "fsdp_offload": "O G S S - o p - - E - - - P -",
+    "zero1": "O - - - B - - - F - - E - P -",
+    "zero2": "O G - - - - - - F - - E - P -",
+    "zero2_offload": "O G - - - o - - F - - E C P -",
+    "zero3": "O G S S - - - - F - - E - P Z",
+    "zero3_offload": "O G S S - o p - F - - E C P Z",
+    "zero_infinity": "O G S S - o p n F - - E C P Z",
 }
 
 
@@ -120,20 +121,77 @@ def test_a_built_strategy_answers_as_its_node():
     assert not spec_of(own).shards_grads
 
 
-# Tests of a strategy's kind or ZeRO stage, which code outside parallel/ must not make (it asks the spec instead).
-_KIND_TEST = re.compile(
-    r"\.kind\s*(==|!=|in\b)|isinstance\([^)]*(DeepSpeed|FSDP|DDP)Strategy|zero_stage\s*(==|!=|>|<|in\b)"
-    r"|stage\s*[<>]=?\s*\d|__name__\.startswith\(\"DeepSpeed"
+# What code outside parallel/ must not do to learn what a strategy is (it asks the spec, or takes an answer that
+# parallel/ worked out): test a strategy's class, its kind, its ZeRO stage or its name.
+_STRATEGY_CLASSES = frozenset(
+    {"DeepSpeedStrategy", "ModelParallelStrategy", "FSDPStrategy", "DDPStrategy", "SingleDeviceStrategy"}
 )
-# Modules below parallel/ that still test the class of the built Lightning strategy: they pick Lightning's own
-# precision plugin or a build context, and the layers let them import neither parallel/ nor the spec.
-_BELOW_PARALLEL = {
-    "lightning_trainopt/precision/plugins.py",
-    "lightning_trainopt/models/optimization.py",
-    "lightning_trainopt/models/lit_lm.py",
-}
-# Loss kinds and inspect.Parameter kinds share the word; they are no strategy.
-_NOT_A_STRATEGY = re.compile(r"\bp\.kind|loss\.kind|self\.kind not in LOSS_KINDS|_probe\.kind|_verdict\.kind|v\.kind")
+_STRATEGY_NAMES = frozenset(
+    {"ddp", "ddp_spawn", "ddp_fork", "deepspeed", "fsdp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "single_device"}
+)
+_STAGE_ATTR = re.compile(r"^(zero_)?stage(_\d)?$")
+# Loss kinds, inspect.Parameter kinds and probe verdicts share the word ``kind``; they are no strategy.
+_NOT_A_STRATEGY_KIND = frozenset({"p", "loss", "_probe", "_verdict", "v", "param"})
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Every name and attribute name in ``node``."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
+
+
+def _owner(node: ast.AST) -> str | None:
+    """``x`` of ``x.kind`` (``None`` for a deeper owner such as ``self.x.kind``, which is judged by its attribute)."""
+    if isinstance(node, ast.Attribute):
+        return node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
+    return None
+
+
+def strategy_kind_tests(source: str) -> list[tuple[int, str]]:
+    """``(line, why)`` of each place in ``source`` that branches on a strategy's class, kind, ZeRO stage or name.
+
+    Read from the syntax tree, so docstrings and comments that name a strategy class are no finding; subclassing one
+    (``_compat`` gives private hooks public names that way) is none either.
+    """
+    tree = ast.parse(source)
+    bases = {id(b) for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for b in node.bases}
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("isinstance", "issubclass") and len(node.args) == 2:
+                classes = {n for n in _names(node.args[1]) if n.endswith("Strategy") and n != "Strategy"}
+                if classes:
+                    found.append((node.lineno, f"{node.func.id} on {sorted(classes)}"))
+            if node.func.id in ("getattr", "hasattr") and len(node.args) >= 2:
+                attr = node.args[1]
+                if isinstance(attr, ast.Constant) and isinstance(attr.value, str) and _STAGE_ATTR.match(attr.value):
+                    found.append((node.lineno, f"{node.func.id} of {attr.value!r}"))
+        elif isinstance(node, (ast.Name, ast.Attribute)) and id(node) not in bases:
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in _STRATEGY_CLASSES:
+                found.append((node.lineno, f"uses {name}"))
+            elif isinstance(node, ast.Attribute) and _STAGE_ATTR.match(name) and name != "stage":
+                found.append((node.lineno, f"reads .{name}"))
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if _names(node) & {"LOSS_KINDS", "modules"}:
+                continue  # a loss's kind, or `"deepspeed" in sys.modules` (is the package imported)
+            for side in sides:
+                if isinstance(side, ast.Attribute) and side.attr == "kind" and _owner(side) not in _NOT_A_STRATEGY_KIND:
+                    found.append((node.lineno, "compares .kind"))
+                name = getattr(side, "attr", None) or getattr(side, "id", None)
+                if name == "stage" and any(isinstance(o, ast.Constant) and isinstance(o.value, int) for o in sides):
+                    found.append((node.lineno, "compares a stage"))
+                constants = side.elts if isinstance(side, ast.Tuple | ast.List | ast.Set) else [side]
+                for c in constants:
+                    if isinstance(c, ast.Constant) and c.value in _STRATEGY_NAMES:
+                        found.append((node.lineno, f"compares with the strategy name {c.value!r}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith":
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and owner.attr == "__name__":
+                found.append((node.lineno, "tests a class name's prefix"))
+    return sorted(set(found))
 
 
 def test_nothing_outside_parallel_branches_on_a_strategys_kind():
@@ -141,14 +199,46 @@ def test_nothing_outside_parallel_branches_on_a_strategys_kind():
     found = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(REPO_ROOT).as_posix()
-        if rel.startswith("lightning_trainopt/parallel/") or rel in _BELOW_PARALLEL:
+        if rel.startswith("lightning_trainopt/parallel/"):
             continue
         if rel == "lightning_trainopt/planner/strategy_layout.py":
-            continue  # where the questions are defined
-        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if _KIND_TEST.search(line) and not _NOT_A_STRATEGY.search(line):
-                found.append(f"{rel}:{number}: {line.strip()}")
+            continue  # where the questions are defined (from the kind and ZeRO stage)
+        found += [f"{rel}:{line}: {why}" for line, why in strategy_kind_tests(path.read_text())]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        # models/hf.py before the answers moved to parallel/: a duck-typed ZeRO-3 test.
+        'def f(trainer):\n    return bool(getattr(trainer.strategy, "zero_stage_3", False))\n',
+        # models/lit_lm.py before: the class and the stage.
+        "def f(s):\n    return isinstance(s, DeepSpeedStrategy) and not s.zero_stage_3\n",
+        "def f(s):\n    return isinstance(s, (DDPStrategy, strategies.FSDPStrategy))\n",
+        "def f(s):\n    return type(s) is ModelParallelStrategy\n",
+        "def f(spec):\n    return spec.kind == 'deepspeed'\n",
+        "def f(spec):\n    return spec.zero_stage >= 2\n",
+        "def f(cfg):\n    return cfg.strategy.name in ('zero3', 'fsdp')\n",
+        "def f(stage):\n    return stage < 3\n",
+        "def f(s):\n    return type(s).__name__.startswith('DeepSpeed')\n",
+        "def f(s):\n    return isinstance(s, TrainOptDeepSpeedStrategy)\n",
+    ],
+)
+def test_the_kind_scan_finds_each_way_of_testing_a_strategy(snippet):
+    assert strategy_kind_tests(snippet), snippet
+
+
+def test_the_kind_scan_leaves_what_tests_no_strategy():
+    snippet = (
+        "def f(strategy, loss, p):\n"
+        '    """Under DDPStrategy(ddp_comm_hook=...) the hook is kept; DeepSpeedStrategy owns its step."""\n'
+        "    # isinstance(strategy, DeepSpeedStrategy) would be a finding in code, not in a comment\n"
+        "    ok = isinstance(strategy, Strategy) and strategy.spec.wraps_in_engine\n"
+        "    return ok and loss.kind == 'chunked' and p.kind == p.VAR_KEYWORD\n"
+        "class Hooks(DeepSpeedStrategy):\n"
+        "    pass\n"
+    )
+    assert strategy_kind_tests(snippet) == []
 
 
 def test_only_the_spec_makes_a_layout_outside_tests():
@@ -173,3 +263,43 @@ def test_the_layout_plans_what_fsdp_reshards_after_forward(tmp_path):
     assert kept.reshard_after_forward is False
     fsdp1 = parse_strategy({"_target_": "lightning.pytorch.strategies.FSDPStrategy", "name": "fsdp1"})
     assert fsdp1.layout(2).reshard_after_forward is True
+
+
+def test_what_each_strategy_needs_of_its_precision_plugin_is_answered_here(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lightning_trainopt.parallel.spec import precision_needs
+    from lightning_trainopt.precision import PrecisionNeeds
+
+    def needs(name):
+        got = parse_strategy(_preset(name, tmp_path)).precision_needs
+        return (got.engine_precision, got.sharded_scaler, got.per_param_shards)
+
+    assert needs("ddp") == (False, False, False)
+    assert needs("zero3_offload") == needs("zero1") == (True, False, False)
+    assert needs("fsdp") == (False, False, True)
+    assert precision_needs(FSDPStrategy()) == PrecisionNeeds("fsdp", sharded_scaler=True)
+    assert precision_needs(DDPStrategy()) == PrecisionNeeds("ddp")
+    assert precision_needs("auto") == PrecisionNeeds()
+
+
+def test_a_strategy_carries_its_answers_for_the_rooms_below(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_trainopt.config.strategy import build_strategy
+    from lightning_trainopt.parallel import TrainOptFSDPStrategy, with_spec
+    from lightning_trainopt.precision import PrecisionSpec
+
+    ours = TrainOptFSDPStrategy()
+    assert with_spec(ours).spec is ours.spec  # its own spec is kept
+    stock = with_spec(DDPStrategy())
+    assert (stock.spec.kind, stock.spec.wraps_in_engine, stock.spec.builds_partitioned) == ("ddp", False, False)
+    bf16 = PrecisionSpec("bf16", "bf16-mixed")
+    # The builder gives Lightning's own class the spec of the node it was built from.
+    node = {"_target_": "lightning.pytorch.strategies.DDPStrategy", "name": "mine"}
+    built = build_strategy(node, bf16, {"devices": 1})
+    assert type(built) is DDPStrategy
+    assert built.spec == parse_strategy(node)
+    assert built.spec.name == "mine"
+    preset = build_strategy(_preset("ddp", tmp_path), bf16, {"devices": 1})
+    assert (preset.spec.name, preset.spec.kind) == ("ddp", "ddp")

@@ -162,11 +162,14 @@ def test_the_search_shows_distinct_configurations_each_at_its_best_micro_batch(p
     assert len(rows) == len(top["top"]) == 4
     for row, entry in zip(rows, top["top"], strict=True):
         ch = entry["choices"]
-        assert row[1:6] == [
+        assert row[1:9] == [
             ch["precision"],
             ch["strategy"],
             ch["activations"],
             ch["optimizer"],
+            str(entry["tensor_parallel"]),
+            "-",  # SP: no TP
+            "-",  # HSDP: no replicas
             f"{entry['micro_batch']} x {entry['accumulate']}",
         ]
     assert result.winner is result.candidates[0]

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import GPT, GPTConfig
-from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
+from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy, precision_needs
 from lightning_trainopt.precision import (
     FP8PrecisionSpec,
     PrecisionSpec,
@@ -62,27 +62,27 @@ def test_recipe_defaults_to_the_backends_first():
 
 def test_each_strategy_gets_a_plugin_of_its_kind():
     spec = fp8()
-    (ddp,) = trainer_precision_kwargs(spec, DDPStrategy(), "cpu")["plugins"]
+    (ddp,) = trainer_precision_kwargs(spec, precision_needs(DDPStrategy()), "cpu")["plugins"]
     assert type(ddp) is TransformMixedPrecision
     assert not ddp.fsdp
     assert ddp.emulate
     assert ddp.device == "cpu"
-    (ds,) = trainer_precision_kwargs(spec, TrainOptDeepSpeedStrategy(stage=3), "cpu")["plugins"]
+    (ds,) = trainer_precision_kwargs(spec, precision_needs(TrainOptDeepSpeedStrategy(stage=3)), "cpu")["plugins"]
     assert isinstance(ds, TransformDeepSpeedPrecision)
     assert ds.precision == "bf16-mixed"
-    (fsdp,) = trainer_precision_kwargs(spec, TrainOptFSDPStrategy(), "cpu")["plugins"]
+    (fsdp,) = trainer_precision_kwargs(spec, precision_needs(TrainOptFSDPStrategy()), "cpu")["plugins"]
     assert type(fsdp) is TransformMixedPrecision
     assert fsdp.fsdp
-    (gpu,) = trainer_precision_kwargs(spec, "auto", "gpu")["plugins"]
+    (gpu,) = trainer_precision_kwargs(spec, None, "gpu")["plugins"]
     assert not gpu.emulate
     assert gpu.device == "cuda"
 
 
 def test_keep_fp32_alone_gets_a_plugin_only_under_mixed_precision():
     bf16 = PrecisionSpec("bf16", "bf16-mixed", keep_fp32=["RMSNorm"])
-    (plugin,) = trainer_precision_kwargs(bf16, "auto", "cpu")["plugins"]
+    (plugin,) = trainer_precision_kwargs(bf16, None, "cpu")["plugins"]
     assert isinstance(plugin, TransformMixedPrecision)
-    assert trainer_precision_kwargs(PrecisionSpec("fp32", "32-true", keep_fp32=["RMSNorm"]), "auto", "cpu") == {
+    assert trainer_precision_kwargs(PrecisionSpec("fp32", "32-true", keep_fp32=["RMSNorm"]), None, "cpu") == {
         "precision": "32-true"
     }
 
@@ -225,7 +225,7 @@ def test_real_fp8_gemms_on_the_gpu():
 @RunIf(fp8=True, transformer_engine=True)
 def test_transformer_engine_fp8_forward_backward_on_the_gpu():
     spec = fp8(backend="transformer_engine")
-    (plugin,) = trainer_precision_kwargs(spec, "auto", "gpu")["plugins"]
+    (plugin,) = trainer_precision_kwargs(spec, None, "gpu")["plugins"]
     root = _root().cuda()
     reference = copy.deepcopy(root)
     plugin.convert_module(root)
@@ -245,7 +245,7 @@ def test_transformer_engine_fp8_forward_backward_on_the_gpu():
 def test_evaluation_steps_leave_inference_mode_for_torchao():
     """torchao's FP8 tensors fail under inference_mode with autocast (aten.to.dtype); the plugin evaluates under
     no_grad instead, as Lightning's single-device and DDP evaluation loops use inference_mode."""
-    (plugin,) = trainer_precision_kwargs(fp8(), "auto", "cpu")["plugins"]
+    (plugin,) = trainer_precision_kwargs(fp8(), None, "cpu")["plugins"]
     root = _root()
     plugin.convert_module(root)
     x = torch.randint(0, 256, (2, 16))
@@ -268,7 +268,7 @@ def test_fsdp2_weights_all_gather_in_fp8_and_get_precomputed_scales():
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    (plugin,) = trainer_precision_kwargs(fp8(), TrainOptFSDPStrategy(), "cpu")["plugins"]
+    (plugin,) = trainer_precision_kwargs(fp8(), precision_needs(TrainOptFSDPStrategy()), "cpu")["plugins"]
     root = _root()
     plugin.convert_module(root)
     mesh = init_device_mesh("cpu", (1,))

@@ -1,0 +1,253 @@
+"""One rank of a real tensor-parallel run on CPU (gloo), started by torch.distributed.run with 2 or 4 processes.
+
+2 processes: TP 2. 4 processes: a 2 x 2 mesh (FSDP2 over 2 data-parallel ranks x TP 2), and a Lightning fit with
+HSDP (replicate=2 x shard 1 x TP 2, the 3-D mesh). Each rank writes what it measured to ``OUT_DIR/rank<r>.json``
+for tests/unit/parallel/test_tp.py:
+
+* ``raw``: for our GPT and a tiny Hugging Face Llama, the losses of the parallel model and of a whole model trained
+  on the same global batch (what DDP computes), step by step, with gradient clipping over a mix of DTensor and
+  plain parameters (an extra plain layer), and the parameter elements this rank holds against the whole model's;
+* ``walk``: each OK cell of the ``tp`` and ``fsdp_tp`` columns of the technique x strategy table, applied by
+  ``apply_rewrites`` (conversions, TP, activation techniques) to our GPT, ``fully_shard``-ed over the
+  data-parallel ranks for ``fsdp_tp``: the loss of one forward and backward against a whole model's, then a forward
+  without grad (as validation runs);
+* ``fit``: a Lightning fit with ``TrainOptTPStrategy``: ParallelDims, the sampler's sharding, the batches read,
+  the logged losses, and the global gradient norm Lightning clipped to.
+
+Usage: python -m torch.distributed.run --standalone --nproc_per_node=N tests/unit/parallel/_tp_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from lightning_trainopt.models.config import GPTConfig  # noqa: E402
+from lightning_trainopt.models.gpt import GPT  # noqa: E402
+from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
+from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites  # noqa: E402
+from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES  # noqa: E402
+from lightning_trainopt.parallel.dims import ParallelDims  # noqa: E402
+from lightning_trainopt.parallel.tp import apply_tensor_parallel, clip_grad_norm_  # noqa: E402
+from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy  # noqa: E402
+from lightning_trainopt.precision.spec import PrecisionSpec  # noqa: E402
+from lightning_trainopt.transforms.checkpointing import CheckpointPolicy  # noqa: E402
+from lightning_trainopt.transforms.offload import CpuOffloader  # noqa: E402
+from tests.helpers.tiny_fit import tiny_data  # noqa: E402
+
+VOCAB, SEQ, STEPS, CLIP = 64, 16, 4, 0.5
+SHAPE = GPTConfig(
+    name="tp-test", vocab_size=VOCAB, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=SEQ
+)
+
+
+class Holder(nn.Module):
+    """Holds the model as a LightningModule does (FSDP2 shards the blocks, then the model as one unit)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _loss(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if kind == "hf":
+        return model(x, labels=x).loss
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), torch.roll(x, -1, 1).reshape(-1))
+
+
+def _elements(model: nn.Module) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def raw(kind: str, dims: ParallelDims, rank: int) -> dict[str, Any]:
+    """TP (and FSDP2 over the data-parallel ranks) against a whole model on the whole global batch."""
+    mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    whole = GPT(SHAPE) if kind == "gpt" else _hf_llama()
+    extra = nn.Linear(4, 4)  # a plain parameter beside the DTensors, for the clipping
+    model, model_extra = copy.deepcopy(whole), copy.deepcopy(extra)
+    apply_tensor_parallel(model, mesh["tp"])
+    local_after_tp = _elements(model)
+    if dims.dp > 1:
+        block = "Block" if kind == "gpt" else "LlamaDecoderLayer"
+        # As the app shards a LightningModule: the blocks, then the model (a tied embedding and head) as one unit.
+        holder = Holder(model)
+        apply_fully_shard(holder, [block], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
+    opt_whole = torch.optim.AdamW([*whole.parameters(), *extra.parameters()], lr=1e-2)
+    opt = torch.optim.AdamW([*model.parameters(), *model_extra.parameters()], lr=1e-2)
+    probe = torch.ones(2, 4)
+    losses, whole_losses, norms, whole_norms = [], [], [], []
+    dp_rank = dims.dp_rank(rank)
+    for step in range(STEPS):
+        batch = torch.randint(0, VOCAB, (2 * dims.dp, SEQ), generator=torch.Generator().manual_seed(step))
+        loss = _loss(kind, whole, batch) + 1e-3 * extra(probe).pow(2).sum()
+        loss.backward()
+        whole_norms.append(float(torch.nn.utils.clip_grad_norm_([*whole.parameters(), *extra.parameters()], CLIP)))
+        opt_whole.step()
+        opt_whole.zero_grad()
+        whole_losses.append(float(loss))
+        mine = batch[2 * dp_rank : 2 * dp_rank + 2]  # this data-parallel rank's half; a TP group reads the same
+        with loss_parallel():
+            part = _loss(kind, model, mine)
+            part = part.full_tensor() if isinstance(part, DTensor) else part
+            # FSDP2 averages the gradients of the data-parallel ranks' halves: the whole batch's mean loss.
+            penalty = 1e-3 * model_extra(probe).pow(2).sum()
+            (part + penalty).backward()
+        norms.append(float(clip_grad_norm_([*model.parameters(), *model_extra.parameters()], CLIP)))
+        opt.step()
+        opt.zero_grad()
+        mean = part.detach().clone()
+        dist.all_reduce(mean)  # every rank of a tensor-parallel group holds its replica's loss
+        losses.append(float(mean) / dims.world_size + float(penalty.detach()))
+    norm_numel = sum(p.numel() for n, p in whole.named_parameters() if p.dim() == 1)
+    return {
+        "losses": losses,
+        "whole_losses": whole_losses,
+        "norms": norms,
+        "whole_norms": whole_norms,
+        "whole_elements": sum(p.numel() for p in whole.parameters()),
+        "norm_elements": norm_numel,
+        "local_elements_tp": local_after_tp,
+    }
+
+
+def _technique_plan(technique: str) -> RewritePlan:
+    plans = {
+        "keep_fp32": RewritePlan(
+            precision=PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=("RMSNorm",))
+        ),
+        "checkpoint": RewritePlan(checkpoint=CheckpointPolicy()),
+        "offload": RewritePlan(saved_tensors=CpuOffloader(pin_memory=False, min_numel=1)),
+    }
+    return RewritePlan(**{**plans[technique].__dict__, "tensor_parallel": 2})
+
+
+def walk(dims: ParallelDims) -> dict[str, Any]:
+    """Every OK cell of the tp and fsdp_tp columns: one forward and backward against a whole model's loss."""
+    mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    got: dict[str, Any] = {}
+    for family in ("tp", "fsdp_tp"):
+        for technique in (t for t in TECHNIQUES if TABLE[t][family] is None and t != "chunked_ce"):
+            cell = f"{technique}+{family}"
+            try:
+                torch.manual_seed(0)
+                whole = GPT(SHAPE)
+                holder = Holder(copy.deepcopy(whole))
+                plan = _technique_plan(technique)
+                steps = apply_rewrites(holder, plan, tp_mesh=mesh["tp"]).steps
+                if family == "fsdp_tp":
+                    apply_fully_shard(holder, ["Block"], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
+                bf16 = technique == "keep_fp32"
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    want = float(_loss("gpt", whole, batch))
+                with loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    loss = _loss("gpt", holder, batch)
+                    loss.backward()
+                    with torch.no_grad():  # as validation runs it after training steps
+                        _loss("gpt", holder, batch)
+                value = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+                grads = all(p.grad is not None for p in holder.parameters())
+                got[cell] = {"loss": value, "want": want, "steps": steps, "grads": grads}
+            except Exception as err:  # recorded per cell, so one failure names its cell
+                got[cell] = {"error": f"{type(err).__name__}: {err}"}
+    return got
+
+
+class Probe(pl.Callback):
+    """Records the dims, the loader's sharding, each batch and each loss of this rank."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {"batches": [], "losses": [], "grad_norms": [], "clipped_norms": []}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dims = ParallelDims.from_trainer(trainer)
+        sampler = trainer.train_dataloader.sampler
+        self.seen.update(
+            dims=dims.to_dict(),
+            dp=dims.dp,
+            sampler={"num_replicas": sampler.num_replicas, "rank": sampler.rank},
+            mesh=list(trainer.strategy.device_mesh.mesh_dim_names),
+            dtensors=sum(isinstance(p, DTensor) for p in pl_module.parameters()),
+            params=sum(1 for _ in pl_module.parameters()),
+        )
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.seen["batches"].append(batch[0].tolist())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, out: Any, batch: Any, i: int) -> None:
+        self.seen["losses"].append(float(out["loss"]))
+        # The gradients Lightning clipped and stepped with (zeroed only before the next step).
+        self.seen["clipped_norms"].append(float(clip_grad_norm_(module.parameters(), float("inf"))))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        # Lightning clips after this hook: the total norm before clipping.
+        self.seen["grad_norms"].append(float(clip_grad_norm_(module.parameters(), float("inf"))))
+
+
+def fit(dims: ParallelDims) -> dict[str, Any]:
+    probe = Probe()
+    replicate = 2 if dims.world_size == 4 else 1
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dims.world_size,
+        strategy=TrainOptTPStrategy(tensor_parallel_size=2, replicate=replicate),
+        max_steps=3,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[probe],
+    )
+    torch.manual_seed(0)
+    trainer.fit(LitGPT(SHAPE), tiny_data(batch_size=2, seq_len=SEQ))
+    return probe.seen
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims.from_world(world, tp=2)
+    seen: dict[str, Any] = {"rank": rank, "raw": {kind: raw(kind, dims, rank) for kind in ("gpt", "hf")}}
+    seen["walk"] = walk(dims)
+    seen["fit"] = fit(dims)
+    (out / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

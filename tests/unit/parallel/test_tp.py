@@ -1,0 +1,221 @@
+"""Tensor and sequence parallelism: the plans, their refusals, and a real 4-process gloo run (2 x 2 mesh).
+
+The 4-process run (``_tp_worker.py``, one process group for all of it) trains our GPT and a tiny Hugging Face Llama
+with TP 2 x FSDP2 2 against a whole model on the same global batch (what DDP computes), and fits a LitGPT with
+``TrainOptTPStrategy`` on the HSDP mesh (2 replicas x 1 shard x TP 2), and walks the OK cells of the ``tp`` and
+``fsdp_tp`` columns of the technique x strategy table. TP alone on 2 processes through the app (``+strategy=tp``) is
+tests/integration/test_tensor_parallel_app.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_trainopt.config.parallel_dims import parallel_dims_of
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.models.config import GPTConfig
+from lightning_trainopt.models.gpt import GPT
+from lightning_trainopt.parallel.apply import RewritePlan, apply_rewrites
+from lightning_trainopt.parallel.tp import (
+    ARCHITECTURES,
+    apply_tensor_parallel,
+    architecture_of,
+    clip_grad_norm_,
+    tp_divisibility_errors,
+)
+from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy
+from tests.helpers.compose import compose_config
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = GPTConfig(name="t", vocab_size=64, n_layers=1, d_model=32, n_heads=4, ffn_hidden=64, max_seq_len=16)
+
+
+class _Mesh:
+    """Stands in for a 1-D device mesh where only its size is read before anything is split."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("tp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    worker = ROOT / "tests" / "unit" / "parallel" / "_tp_worker.py"
+    done = subprocess.run([*cmd, str(worker), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_loss_and_clipped_norm_match_a_whole_model_on_the_same_data(ranks, kind):
+    for seen in ranks:
+        got = seen["raw"][kind]
+        assert len(got["losses"]) == 4
+        # fp32: within 1e-4 relative after every step (the updates use the clipped gradients of the steps before).
+        assert got["losses"] == pytest.approx(got["whole_losses"], rel=1e-4)
+        # Clipping over DTensor (TP x FSDP2) and plain parameters: the same total norm as torch's on the whole model.
+        assert got["norms"] == pytest.approx(got["whole_norms"], rel=1e-4)
+        assert min(got["whole_norms"]) > 0.5  # so clipping to 0.5 really scaled every step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_each_rank_holds_one_tp_th_of_the_parameters_norm_vectors_excepted(ranks, kind):
+    got = ranks[0]["raw"][kind]
+    split = got["whole_elements"] - got["norm_elements"]
+    assert got["local_elements_tp"] == split // 2 + got["norm_elements"]
+
+
+@pytest.mark.slow
+def test_fit_on_the_hsdp_mesh_reads_one_batch_per_replica_and_clips(ranks):
+    fits = [seen["fit"] for seen in ranks]
+    for rank, fit in enumerate(fits):
+        assert fit["mesh"] == ["dp_replicate", "dp_shard", "tp"]
+        assert fit["dims"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
+        assert fit["sampler"] == {"num_replicas": 2, "rank": rank // 2}
+        assert fit["dtensors"] == fit["params"]
+        assert all(n > 0.5 for n in fit["grad_norms"])
+        assert fit["clipped_norms"] == pytest.approx([0.5] * 3, rel=1e-4)  # Lightning's gradient_clip_val=0.5
+    assert fits[0]["batches"] == fits[1]["batches"]
+    assert fits[2]["batches"] == fits[3]["batches"]
+    assert fits[0]["batches"] != fits[2]["batches"]
+    assert fits[0]["losses"] == fits[1]["losses"]
+    assert fits[0]["losses"] != fits[2]["losses"]
+
+
+def test_an_architecture_without_a_plan_is_refused_with_those_that_have_one():
+    with pytest.raises(IncompatibleConfigError) as err:
+        apply_tensor_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), _Mesh(2))
+    assert all(name in str(err.value) for name in ARCHITECTURES)
+    assert "Sequential" in str(err.value)
+
+
+def test_sizes_the_tp_size_does_not_divide_are_named():
+    with pytest.raises(IncompatibleConfigError, match=r"attention heads 4, key/value heads 4, FFN width 64"):
+        apply_tensor_parallel(GPT(TINY), _Mesh(3))
+    assert tp_divisibility_errors({"heads": 8, "kv_heads": 2, "ffn": 64, "vocab": 50}, 4, seq_len=30) == [
+        "key/value heads 2",
+        "vocabulary 50",
+        "sequence length 30 (sequence parallelism splits it)",
+    ]
+    assert tp_divisibility_errors({"heads": 8, "kv_heads": 4, "ffn": 64, "vocab": 64}, 4, seq_len=32) == []
+
+
+def test_architecture_of_gpt_and_hf_llama_family():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    small = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    small["num_attention_heads"] = 2
+    assert architecture_of(GPT(TINY)) == "gpt"
+    assert architecture_of(LlamaForCausalLM(LlamaConfig(**small))) == "llama"
+    assert architecture_of(Qwen2ForCausalLM(Qwen2Config(**small))) == "qwen2"
+
+
+def test_the_rewrite_refuses_tp_without_its_mesh():
+    with pytest.raises(ConfigError, match="strategy.tensor_parallel_size"):
+        apply_rewrites(GPT(TINY), RewritePlan(tensor_parallel=2))
+
+
+def test_clip_grad_norm_of_plain_parameters_matches_torch():
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(torch.ones(2, 3)).pow(2).sum().backward()
+    want = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+    got = clip_grad_norm_(b.parameters(), 0.1)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"tensor_parallel_size": 0}, "strategy.tensor_parallel_size"),
+        ({"replicate": 0}, "strategy.replicate"),
+        ({"data_parallel_size": 2}, "strategy.data_parallel_size"),
+    ],
+)
+def test_the_strategy_refuses_bad_sizes_naming_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=key):
+        TrainOptTPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "dims"),
+    [
+        ("tp", [], {"dp_replicate": 1, "dp_shard": 1, "tp": 4}),
+        ("fsdp_tp", ["strategy.tensor_parallel_size=2"], {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+        (
+            "fsdp_tp",
+            ["strategy.tensor_parallel_size=2", "strategy.replicate=2"],
+            {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
+        ),
+    ],
+)
+def test_presets_give_the_dims(preset, overrides, dims):
+    cfg = compose_config([f"+strategy={preset}", "trainer.devices=4", *overrides])
+    assert parallel_dims_of(4, 1, cfg.strategy).to_dict() == dims
+
+
+def test_replicas_that_do_not_divide_the_world_are_refused_naming_the_key():
+    with pytest.raises(IncompatibleConfigError, match="strategy.replicate"):
+        parallel_dims_of(4, 1, {"tensor_parallel_size": 2, "replicate": 3})
+
+
+@pytest.mark.slow
+def test_every_ok_tp_and_fsdp_tp_cell_composes_and_matches_a_whole_model(ranks):
+    from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES
+
+    cells = {f"{t}+{f}" for f in ("tp", "fsdp_tp") for t in TECHNIQUES if TABLE[t][f] is None and t != "chunked_ce"}
+    assert cells == {f"{t}+{f}" for t in ("keep_fp32", "checkpoint", "offload") for f in ("tp", "fsdp_tp")}
+    for seen in ranks:
+        assert set(seen["walk"]) == cells
+        for cell, got in seen["walk"].items():
+            assert "error" not in got, (cell, got)
+            assert got["grads"], cell
+            assert "tensor_parallel" in got["steps"]
+            # keep_fp32 runs under bf16 autocast (the whole model too): a looser bound there.
+            assert got["loss"] == pytest.approx(got["want"], rel=1e-3 if cell.startswith("keep_fp32") else 1e-4), cell
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.devices=2", "strategy.tensor_parallel_size=4", "trainer.num_nodes=2"], "larger than a node's 2"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=4", "model.n_heads=2"], "attention heads 2"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=4", "data.seq_len=30"], "sequence length 30"),
+        (["trainer.devices=4", "strategy.tensor_parallel_size=4", "model.ffn_hidden=350"], "FFN width 350"),
+    ],
+)
+def test_preflight_refuses_what_tp_cannot_split_naming_the_key(overrides, message):
+    from lightning_trainopt.config.preflight import preflight_from_cfg
+
+    cfg = compose_config(
+        ["+strategy=fsdp_tp", "model=gpt_tiny", "data=synthetic", "trainer.accelerator=cpu", *overrides]
+    )
+    with pytest.raises(IncompatibleConfigError, match="strategy.tensor_parallel_size") as err:
+        preflight_from_cfg(cfg)
+    assert message in str(err.value)
+
+
+def test_preflight_passes_a_tp_config_that_splits_and_refuses_chunked_ce():
+    from lightning_trainopt.config.preflight import preflight_from_cfg
+
+    base = ["+strategy=tp", "model=gpt_tiny", "data=synthetic", "trainer=ddp_sim"]
+    preflight_from_cfg(compose_config(base))
+    with pytest.raises(IncompatibleConfigError, match="loss-parallel"):
+        preflight_from_cfg(compose_config([*base, "loss=chunked_ce"]))
