@@ -39,6 +39,7 @@ from lightning_trainopt.launch.multirun import (
     snapshot_env,
     teardown_distributed,
 )
+from lightning_trainopt.launch.slurm import register_resolvers
 
 __all__ = [
     "CONFIG_DIR",
@@ -370,6 +371,7 @@ def train_main() -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     atexit.register(release_before_exit)
+    register_resolvers()  # hydra/launcher=slurm reads GPUs per node through one
     run_hydra(_train_task, "train")
 
 

@@ -1,6 +1,7 @@
 """Who started this process, and what that means for a run: the one place that tells launch modes apart.
 
-Three launch modes, told apart by the environment alone (:func:`detect_launch`):
+Four launch modes, told apart by the environment alone (:func:`detect_launch`), in the order Lightning picks its
+cluster environment (TorchElastic first: torchrun can run inside a SLURM job):
 
 * ``single``: ``python train.py ...`` started this process, the job's rank 0. For ``trainer.devices > 1``
   Lightning's subprocess launcher starts the other ranks by re-running the command line.
@@ -9,6 +10,10 @@ Three launch modes, told apart by the environment alone (:func:`detect_launch`):
 * ``torchrun``: ``torchrun`` (torchelastic) started every rank: ``TORCHELASTIC_RUN_ID`` is set, the test of
   Lightning's ``TorchElasticEnvironment.detect``, beside ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
   ``WORLD_SIZE``. Each rank runs ``python train.py ...`` itself and Lightning starts no process.
+* ``slurm``: a SLURM job, where Lightning uses its ``SLURMEnvironment`` (``SLURM_NTASKS`` set and a job name other
+  than ``bash``/``interactive``, the test of ``SLURMEnvironment.detect``): ``srun`` started every rank as one of
+  its tasks (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``), or ``python`` runs in the batch script itself,
+  which is right only for a job of one task (:mod:`lightning_trainopt.launch.slurm` checks the allocation).
 
 A process that some launcher started ends with its parent (:func:`die_with_parent`). The module imports nothing
 heavy: ``train.py`` calls that first thing, before the seconds its other imports take.
@@ -41,7 +46,7 @@ LAUNCHER_PID_ENV = "TRAINOPT_LAUNCHER_PID"
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-LaunchMode = Literal["single", "lightning_child", "torchrun"]
+LaunchMode = Literal["single", "lightning_child", "torchrun", "slurm"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,13 @@ class Launch:
     """How this process was started.
 
     Attributes:
-        mode: ``single``, ``lightning_child`` or ``torchrun`` (see the module docstring).
+        mode: ``single``, ``lightning_child``, ``torchrun`` or ``slurm`` (see the module docstring).
         rank: the global rank this process will have (``0`` for ``single``).
         local_rank: the rank on this node.
         world_size: every process of the job; ``None`` where Lightning has not decided it yet (``single``).
         local_world_size: the processes per node an external launcher started (torchrun's ``--nproc_per_node``).
-        run_id: an id every rank of the job shares (torchrun's rendezvous id), ``None`` when there is none.
+        run_id: an id every rank of the job shares (torchrun's rendezvous id; SLURM's job id, with the array task
+            after ``_`` in a job array), ``None`` when there is none.
     """
 
     mode: LaunchMode
@@ -67,7 +73,7 @@ class Launch:
     @property
     def external(self) -> bool:
         """A launcher outside Lightning started every rank; Lightning must start none."""
-        return self.mode == "torchrun"
+        return self.mode in ("torchrun", "slurm")
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
@@ -81,6 +87,18 @@ def detect_launch(env: Mapping[str, str] | None = None) -> Launch:
             world_size=int(env["WORLD_SIZE"]) if env.get("WORLD_SIZE") else None,
             local_world_size=int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE") else None,
             run_id=env["TORCHELASTIC_RUN_ID"],
+        )
+    from lightning_trainopt.launch.slurm import in_slurm_job, slurm_job_id, slurm_tasks
+
+    if in_slurm_job(env):
+        tasks, tasks_per_node = slurm_tasks(env)
+        return Launch(
+            mode="slurm",
+            rank=int(env.get("SLURM_PROCID") or 0),
+            local_rank=int(env.get("SLURM_LOCALID") or 0),
+            world_size=tasks,
+            local_world_size=tasks_per_node,
+            run_id=slurm_job_id(env),
         )
     local_rank = int(env.get("LOCAL_RANK") or 0)
     if local_rank > 0:
@@ -122,11 +140,14 @@ def external_launch_argv(argv: list[str], launch: Launch) -> list[str]:
     """``argv`` for a rank an external launcher started: one run directory for all ranks, one ``.hydra`` record.
 
     Every rank runs the whole command, so each would pick its own ``outputs/.../<time>`` run directory. Without a
-    ``hydra.run.dir`` on the command line the ranks share ``outputs/${task_name}/runs/torchrun_<rendezvous id>``;
-    ranks other than 0 write no ``.hydra/`` record (rank 0 does).
+    ``hydra.run.dir`` on the command line the ranks share ``outputs/<task>/runs/torchrun_<rendezvous id>``,
+    or under SLURM ``outputs/<task>/runs/slurm_<job id>[_<array task>]`` (``<task>``: a ``task_name=`` on the
+    command line, else ``train``): keyed by the job, not the time, so
+    a requeued job (same job id) comes back to its own checkpoints. Ranks other than 0 write no ``.hydra/`` record
+    (rank 0 does).
 
     Raises:
-        ConfigError: a sweep (``-m``) under torchrun.
+        ConfigError: a sweep (``-m``) under torchrun or inside a SLURM job.
     """
     if not launch.external:
         return argv
@@ -134,12 +155,17 @@ def external_launch_argv(argv: list[str], launch: Launch) -> list[str]:
         raise ConfigError(
             "--multirun",
             True,
-            "a sweep under torchrun would run every job on every rank with its own sweep directory; start one "
-            "torchrun per job, or sweep with python train.py -m (Lightning then starts each job's ranks).",
+            f"a sweep under {launch.mode} would run every job on every rank with its own sweep directory; start one "
+            f"{launch.mode} job per run, or sweep with python train.py -m (hydra/launcher=slurm submits each job to "
+            "SLURM; without it Lightning starts each job's ranks).",
         )
     args = list(argv)
     if not any(a.lstrip("+").startswith("hydra.run.dir=") for a in args):
-        args.append(f"hydra.run.dir=outputs/${{task_name}}/runs/torchrun_{launch.run_id}")
+        # The task's name written out, not ${task_name}: the run lock and the record keeper read this path before
+        # Hydra resolves anything (they created a literal "outputs/${task_name}" folder).
+        task = next((a.split("=", 1)[1] for a in reversed(args) if a.lstrip("+").startswith("task_name=")), "train")
+        prefix = "torchrun" if launch.mode == "torchrun" else "slurm"
+        args.append(f"hydra.run.dir=outputs/{task}/runs/{prefix}_{launch.run_id}")
     if launch.rank != 0 and not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args):
         args.append("hydra.output_subdir=null")
     return args
@@ -161,18 +187,32 @@ def _devices_per_node(devices: Any, accelerator: str) -> int | None:
     return devices if isinstance(devices, int) and not isinstance(devices, bool) else None
 
 
-def check_launch(trainer_cfg: Mapping[str, Any], launch: Launch | None = None) -> None:
+def check_launch(
+    trainer_cfg: Mapping[str, Any], launch: Launch | None = None, env: Mapping[str, str] | None = None
+) -> None:
     """Pre-flight: under an external launcher, ``trainer.devices`` and ``trainer.num_nodes`` match what it started.
 
     Args:
         trainer_cfg: the ``trainer`` node of the config.
-        launch: the launch mode (default: :func:`detect_launch`).
+        launch: the launch mode (default: :func:`detect_launch` of ``env``).
+        env: the environment (default: ``os.environ``), read for a SLURM job's allocation.
 
     Raises:
         ConfigError: ``trainer.devices`` differs from torchrun's ``--nproc_per_node``, or ``trainer.num_nodes``
-            from its number of nodes.
+            from its number of nodes; in a SLURM job, an allocation that disagrees with them
+            (:func:`lightning_trainopt.launch.slurm.check_slurm`).
     """
-    launch = detect_launch() if launch is None else launch
+    env = os.environ if env is None else env
+    launch = detect_launch(env) if launch is None else launch
+    if launch.mode == "slurm":
+        from lightning_trainopt.launch.slurm import check_slurm
+
+        devices = trainer_cfg.get("devices", "auto")
+        per_node = _devices_per_node(devices, str(trainer_cfg.get("accelerator", "auto")))
+        check_slurm(env, devices, per_node, trainer_cfg.get("num_nodes", 1))
+        return
+    if env.get("SUBMITIT_LOCAL_JOB_ID") is not None:
+        _check_submitit_local(trainer_cfg)
     if not launch.external or launch.local_world_size is None:
         return
     per_node = launch.local_world_size
@@ -194,3 +234,21 @@ def check_launch(trainer_cfg: Mapping[str, Any], launch: Launch | None = None) -
                 f"torchrun started {launch.world_size} processes, {per_node} per node: {nodes} node(s); set "
                 f"trainer.num_nodes={nodes} (or match torchrun's --nnodes).",
             )
+
+
+def _check_submitit_local(trainer_cfg: Mapping[str, Any]) -> None:
+    """A job of ``hydra/launcher=submitit_local`` trains on one device.
+
+    Lightning starts a job's other ranks by re-running the command line, which in such a job is submitit's runner
+    (``python -m submitit.core._submit <folder>``), not ``train.py``: the ranks would fail with a usage error.
+    """
+    devices = trainer_cfg.get("devices", "auto")
+    per_node = _devices_per_node(devices, str(trainer_cfg.get("accelerator", "auto")))
+    if per_node != 1 or trainer_cfg.get("num_nodes", 1) != 1:
+        raise ConfigError(
+            "trainer.devices",
+            devices,
+            "a job of hydra/launcher=submitit_local runs as one process and Lightning cannot start its other ranks "
+            "there (it would re-run submitit's runner, not train.py); use trainer.devices=1 trainer.num_nodes=1, or "
+            "sweep several devices per job with python train.py -m (no launcher) or hydra/launcher=slurm.",
+        )

@@ -35,6 +35,7 @@ from lightning_trainopt.launch.console import StepsProgressBar, model_line, quie
 from lightning_trainopt.launch.launcher import check_launch
 from lightning_trainopt.launch.multirun import prepare_child_command, restore_env, snapshot_env, teardown_distributed
 from lightning_trainopt.launch.run_clock import RunClock
+from lightning_trainopt.launch.slurm import newest_resume_point, retire_requeue_checkpoints
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.report import StrategyReport
 from lightning_trainopt.parallel.spec import precision_needs
@@ -92,7 +93,8 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path == "last":
         return newest_complete_checkpoint(run_dir / "checkpoints")
     if ckpt_path == "auto":
-        return auto_resume_checkpoint(run_dir / "checkpoints")
+        # Under SLURM, Lightning's requeue checkpoint (hpc_ckpt_<n>.ckpt in the run directory) counts too.
+        return newest_resume_point(auto_resume_checkpoint(run_dir / "checkpoints"), run_dir)
     if not Path(ckpt_path).exists():
         raise ConfigError(
             "ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path, 'last' or 'auto'."
@@ -296,6 +298,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         train_loss = trainer.callback_metrics.get("train_loss")
         stopped = early_stop(trainer)
         info = _strategy_info(trainer, run)
+        retire_requeue_checkpoints(trainer, run_dir)  # else Lightning validates the requeue checkpoint's weights
         final_validation = _final_validation(trainer, module, datamodule, clock)
     except CheckpointWriteError as err:
         # A full disk: the partial file is gone and the earlier checkpoints kept; record the run as failed, then

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.helpers.compose import REPO_ROOT
+from tests.helpers.slurm import LocalSlurm, slurm_missing
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +41,22 @@ def headline_zero3_run(
     )
     metrics = run_dir / "metrics.json"
     return proc, json.loads(metrics.read_text()) if metrics.exists() else None
+
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    """A real one-node SLURM (``slurm-wlm`` + ``munge``), started for the session and stopped after it.
+
+    Its daemons, key, state and logs live in a temporary folder; clients reach it through ``SLURM_CONF``, set in
+    ``os.environ`` while it runs (``tests/helpers/slurm.py``). Skipped, with the reason, where the packages are not
+    installed (``.ci/run`` installs them).
+    """
+    reason = slurm_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

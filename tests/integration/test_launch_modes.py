@@ -60,6 +60,76 @@ def test_torchrun_trains_like_lightnings_launcher_and_rank0_alone_reports(tmp_pa
         assert by_torchrun[key] == pytest.approx(by_lightning[key], rel=1e-6), key
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_of_two_train_like_one_node_of_four(tmp_path):
+    # Two "nodes" on this machine: two torchrun agents, --node-rank 0 and 1, meeting at a loopback address (static
+    # rendezvous), trainer.num_nodes=2 (Lightning's TorchElasticEnvironment). The same 4 ranks on one node must
+    # train the same model: same global batch, same samples per global rank.
+    args = [*SMALL, "+strategy=ddp", "trainer.max_steps=3", "trainer.limit_val_batches=1"]
+    port = _free_port()
+    two_nodes = tmp_path / "two_nodes"
+    agents = [
+        subprocess.Popen(
+            [
+                "torchrun",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                TRAIN,
+                *args,
+                "trainer.devices=2",
+                "trainer.num_nodes=2",
+                f"hydra.run.dir={two_nodes}",
+            ],
+            cwd=tmp_path,
+            env=child_env(REPO_ROOT),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outs = [agent.communicate(timeout=600)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    by_two = json.loads((two_nodes / "metrics.json").read_text())
+    assert (by_two["world_size"], by_two["devices"], by_two["global_step"]) == (4, 2, 3)
+    assert sum(out.count(SUMMARY) for out in outs) == 1, "a rank other than global rank 0 reported the run"
+
+    # The reference: 4 ranks on one node. Pre-flight allows one CPU process per core and this machine may have 2,
+    # so the reference ranks (only they) are told of 4 cores; slower, the same arithmetic.
+    cores = tmp_path / "four_cores"
+    cores.mkdir()
+    (cores / "sitecustomize.py").write_text("import os\nos.cpu_count = lambda: 4\n")
+    proc = subprocess.run(
+        ["torchrun", "--standalone", "--nproc_per_node", "4", TRAIN, *args, "trainer.devices=4"]
+        + [f"hydra.run.dir={tmp_path / 'one_node'}"],
+        cwd=tmp_path,
+        env={**child_env(REPO_ROOT), "PYTHONPATH": os.pathsep.join([str(cores), child_env(REPO_ROOT)["PYTHONPATH"]])},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    by_one = json.loads((tmp_path / "one_node" / "metrics.json").read_text())
+    assert (by_one["world_size"], by_one["global_batch_size"]) == (4, by_two["global_batch_size"])
+    for key in ("train_loss", "val_loss"):
+        assert by_two[key] == pytest.approx(by_one[key], rel=1e-6), key
+
+
 def test_torchrun_refuses_devices_that_differ_from_nproc_per_node(tmp_path):
     proc = _torchrun([*SMALL, "+strategy=ddp", "trainer.max_steps=5", "trainer.devices=1"], tmp_path)
     assert proc.returncode != 0

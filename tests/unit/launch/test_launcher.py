@@ -62,7 +62,7 @@ def test_torchrun_ranks_share_a_run_directory_and_one_record():
     assert external_launch_argv(["train.py", "x=1"], rank0) == [
         "train.py",
         "x=1",
-        "hydra.run.dir=outputs/${task_name}/runs/torchrun_abc",
+        "hydra.run.dir=outputs/train/runs/torchrun_abc",
     ]
     assert external_launch_argv(["train.py", "hydra.run.dir=/r"], rank1) == [
         "train.py",

@@ -23,7 +23,7 @@ from lightning_trainopt.launch.run_clock import RunClock
 from lightning_trainopt.launch.train import _collect_metrics
 from lightning_trainopt.metrics.flops import transformer_flops
 from lightning_trainopt.parallel import DimsSampling, ParallelDims
-from lightning_trainopt.planner import PlanInputs, estimate_plan
+from lightning_trainopt.planner import PlanInputs, StrategyLayout, estimate_plan
 from lightning_trainopt.planner.result import estimate_dict
 from tests.helpers.tiny_fit import TINY, ListLogger, tiny_data, tiny_module, tiny_trainer
 from tests.unit.callbacks._clock import StepClock
@@ -276,14 +276,22 @@ def test_metrics_json_reports_the_data_parallel_size_beside_the_world_size():
     assert metrics["tokens_per_sec"] == 15 * 64 * 2 / 10.0
 
 
-def test_the_planner_counts_replicas_and_refuses_tensor_parallelism_it_does_not_model():
+def test_the_planner_counts_replicas_not_ranks():
     inputs = PlanInputs(TINY, micro_batch=2, accumulate=3, seq_len=16, devices=2, num_nodes=2)
     assert (inputs.world_size, inputs.data_parallel_size) == (4, 4)
     row = estimate_dict(estimate_plan(inputs, device_memory_bytes=2**30, peak_flops=1e12, price_per_device_hour=None))
     assert (row["world_size"], row["data_parallel_size"]) == (4, 4)
-    with pytest.raises(IncompatibleConfigError, match="tensor parallelism are not modelled yet") as err:
-        PlanInputs(TINY, devices=4, tensor_parallel=2)
-    assert err.value.keys == {"strategy.tensor_parallel_size": 2}
+    # TP 2 on the same 4 ranks: 2 replicas; DeepSpeed has no tensor parallelism, so its layout is refused.
+    fsdp = StrategyLayout("fsdp", "fsdp")
+    tp = PlanInputs(
+        TINY, layout=fsdp, micro_batch=2, accumulate=3, seq_len=16, devices=2, num_nodes=2, tensor_parallel=2
+    )
+    assert (tp.world_size, tp.data_parallel_size) == (4, 2)
+    tp_row = estimate_dict(estimate_plan(tp, device_memory_bytes=2**30, peak_flops=1e12, price_per_device_hour=None))
+    assert (tp_row["world_size"], tp_row["data_parallel_size"]) == (4, 2)
+    with pytest.raises(IncompatibleConfigError, match="not under DeepSpeed") as err:
+        PlanInputs(TINY, layout=StrategyLayout("zero3", "deepspeed", 3), devices=4, tensor_parallel=2)
+    assert "strategy.tensor_parallel_size" in err.value.keys
 
 
 @pytest.mark.slow

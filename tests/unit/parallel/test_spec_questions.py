@@ -38,6 +38,10 @@ ANSWERS = {
     "deepspeed_json": "O G - - - o - - F - - E C P -",  # ZeRO-2 with CPU optimizer offload (the JSON of _preset)
     "fsdp": "O G S S - - - - - E - - - P -",
     "fsdp_offload": "O G S S - o p - - E - - - P -",
+    # Tensor parallelism splits each weight (and its gradient and optimizer state) over the TP ranks, as FSDP2 does
+    # over the others: each rank keeps its slice of every parameter (DTensor).
+    "fsdp_tp": "O G S S - - - - - E - - - P -",
+    "tp": "O G S S - - - - - E - - - P -",
     "zero1": "O - - - B - - - F - - E - P -",
     "zero2": "O G - - - - - - F - - E - P -",
     "zero2_offload": "O G - - - o - - F - - E C P -",
@@ -130,8 +134,9 @@ _STRATEGY_NAMES = frozenset(
     {"ddp", "ddp_spawn", "ddp_fork", "deepspeed", "fsdp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "single_device"}
 )
 _STAGE_ATTR = re.compile(r"^(zero_)?stage(_\d)?$")
-# Loss kinds, inspect.Parameter kinds and probe verdicts share the word ``kind``; they are no strategy.
-_NOT_A_STRATEGY_KIND = frozenset({"p", "loss", "_probe", "_verdict", "v", "param"})
+# Loss kinds, model kinds (preset, hf, module), inspect.Parameter kinds and probe verdicts share the word ``kind``;
+# they are no strategy.
+_NOT_A_STRATEGY_KIND = frozenset({"p", "loss", "_probe", "_verdict", "v", "param", "model"})
 
 
 def _names(node: ast.AST) -> set[str]:
