@@ -138,6 +138,15 @@ class ResumableCheckpoint(ModelCheckpoint):
             "\nCtrl-C: stopping after this step and saving a checkpoint (press Ctrl-C again to abort without one)."
         )
 
+    @property
+    def stop_requested(self) -> bool:
+        """A Ctrl-C or SIGTERM reached this process and the stop at the next optimizer-step boundary is pending.
+
+        On several processes SIGTERM is recorded here, not in Lightning's ``trainer.received_sigterm``, until the
+        ranks agree (see :meth:`_stop_if_interrupted`); code that waits for the signal reads this.
+        """
+        return self._sigint or self._sigterm
+
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm = True
         rank_zero_info("SIGTERM: every rank stops after this optimizer step and a checkpoint is saved.")
