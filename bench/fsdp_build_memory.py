@@ -1,7 +1,9 @@
-"""Peak host memory per rank while FSDP2 builds a model: the whole-model build versus the meta-device build.
+"""Peak host memory per rank while FSDP2 (or TP x FSDP2) builds a model: the whole-model build versus the meta-device
+build.
 
-Each mode runs as its own N-process fit of ``TrainOptFSDPStrategy`` (gloo on CPU) that stops at ``on_fit_start``,
-i.e. right after ``configure_model``, ``fully_shard`` and (meta mode) the shard-by-shard initialisation or read of
+Each mode runs as its own N-process fit of ``TrainOptFSDPStrategy`` (``--strategy fsdp_tp``: ``TrainOptTPStrategy``
+with tensor_parallel_size=2, FSDP2 over the ranks left) (gloo on CPU) that stops at ``on_fit_start``, i.e. right
+after ``configure_model``, the split (TP, ``fully_shard``) and (meta mode) the shard-by-shard initialisation or read of
 the pretrained weights. Each rank resets its peak RSS (``/proc/self/clear_refs``, Linux) in the callback's ``setup``
 (before ``configure_model``) and reads ``VmHWM`` at ``on_fit_start``: the peak RSS growth during the build, next to
 the model's fp32 bytes::
@@ -9,6 +11,7 @@ the model's fp32 bytes::
     python bench/fsdp_build_memory.py                    # gpt_350m, both modes, 2 ranks
     python bench/fsdp_build_memory.py --model gpt_125m --modes meta
     python bench/fsdp_build_memory.py --model hf_pretrained --ranks 4   # model=hf model.pretrained=DIR
+    python bench/fsdp_build_memory.py --model hf_pretrained --ranks 4 --strategy fsdp_tp --modes meta  # TP 2 x FSDP2 2
 
 ``hf_pretrained``: a Hugging Face ``LlamaForCausalLM`` of gpt_350m's shape (359.8M parameters, tied embeddings) with
 random weights, saved once by ``save_pretrained`` into a temporary directory (fp32 safetensors in 200 MB files with
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = {"whole": False, "meta": True}
+STRATEGIES = ("fsdp", "fsdp_tp")
 
 
 def _status_kib(field: str) -> int:
@@ -58,7 +62,7 @@ def _save_hf(directory: Path) -> None:
     model.save_pretrained(directory, max_shard_size="200MB")
 
 
-def _worker(model: str, meta: bool, out: Path, ranks: int, weights: Path | None) -> None:
+def _worker(model: str, meta: bool, out: Path, ranks: int, weights: Path | None, strategy: str) -> None:
     import lightning.pytorch as pl
     import torch
     from omegaconf import OmegaConf
@@ -66,7 +70,7 @@ def _worker(model: str, meta: bool, out: Path, ranks: int, weights: Path | None)
 
     from lightning_trainopt.models import HFModelConfig, LitCausalLM, LitGPT
     from lightning_trainopt.models.config import GPTConfig
-    from lightning_trainopt.parallel import TrainOptFSDPStrategy
+    from lightning_trainopt.parallel import TrainOptFSDPStrategy, TrainOptTPStrategy
 
     module: pl.LightningModule
     if weights is not None:
@@ -93,7 +97,11 @@ def _worker(model: str, meta: bool, out: Path, ranks: int, weights: Path | None)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=ranks,
-        strategy=TrainOptFSDPStrategy(meta_init=meta),
+        strategy=(
+            TrainOptTPStrategy(tensor_parallel_size=2, meta_init=meta, preset="fsdp_tp")
+            if strategy == "fsdp_tp"
+            else TrainOptFSDPStrategy(meta_init=meta)
+        ),
         max_steps=1,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -106,9 +114,10 @@ def _worker(model: str, meta: bool, out: Path, ranks: int, weights: Path | None)
     trainer.fit(module, data)
 
 
-def _run(model: str, mode: str, ranks: int, weights: Path | None) -> list[dict[str, Any]]:
+def _run(model: str, mode: str, ranks: int, weights: Path | None, strategy: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, __file__, "--worker", mode, "--model", model, "--out", tmp, "--ranks", str(ranks)]
+        cmd += ["--strategy", strategy]
         if weights is not None:
             cmd += ["--weights", str(weights)]
         # This checkout's package, also in the rank Lightning starts by re-running this script.
@@ -123,27 +132,31 @@ def main() -> None:
     parser.add_argument("--model", default="gpt_350m", help="a conf/model/gpt_*.yaml preset, or hf_pretrained")
     parser.add_argument("--ranks", type=int, default=2, help="processes (gloo on CPU)")
     parser.add_argument("--weights", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="fsdp", choices=STRATEGIES, help="fsdp_tp: TP 2 x FSDP2 over the rest")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--worker", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.model, MODES[args.worker], args.out, args.ranks, args.weights)
+        _worker(args.model, MODES[args.worker], args.out, args.ranks, args.weights, args.strategy)
         return
     with tempfile.TemporaryDirectory() as tmp:
         weights = None
         if args.model == "hf_pretrained":
             weights = Path(tmp) / "weights"
             _save_hf(weights)
-        print("| model | ranks | build | rank | RSS before (MiB) | peak RSS growth (MiB) | model fp32 (MiB) | ratio |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(
+            "| model | strategy | ranks | build | rank | RSS before (MiB) | peak RSS growth (MiB) | model fp32 (MiB) "
+            "| ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
         for mode in args.modes:
-            for row in _run(args.model, mode, args.ranks, weights):
+            for row in _run(args.model, mode, args.ranks, weights, args.strategy):
                 grown = (row["peak_kib"] - row["rss_before_kib"]) / 1024
                 fp32 = row["n_params"] * 4 / 2**20
                 print(
-                    f"| {args.model} | {args.ranks} | {mode} | {row['rank']} | {row['rss_before_kib'] / 1024:.0f} | "
-                    f"{grown:.0f} | {fp32:.0f} | {grown / fp32:.2f} |",
+                    f"| {args.model} | {args.strategy} | {args.ranks} | {mode} | {row['rank']} | "
+                    f"{row['rss_before_kib'] / 1024:.0f} | {grown:.0f} | {fp32:.0f} | {grown / fp32:.2f} |",
                     flush=True,
                 )
 

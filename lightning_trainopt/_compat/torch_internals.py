@@ -37,6 +37,7 @@ __all__ = [
     "extension_build_dir",
     "foreach_norms",
     "is_compiled",
+    "local_box",
     "memory_history_supported",
     "nvml_device_index",
     "reparametrized",
@@ -392,3 +393,18 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     norm = private_attr(torch, "_foreach_norm", "torch", *TORCH_RANGE, "torch_internals")
     return list(norm(tensors))
+
+
+def local_box(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offset)`` of this rank's piece of the DTensor ``param``, for any placements on any mesh
+    (FSDP2's ``Shard``, its ``_StridedShard`` under tensor parallelism, TP's ``Shard``/``Replicate``, HSDP's 3-D mesh).
+
+    torch's ``compute_local_shape_and_global_offset`` (what DCP plans its reads with) lives in the private
+    ``torch.distributed.tensor._utils``; an uneven split gives the unpadded size of this rank's piece (0 past the end).
+    """
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError as err:  # pragma: no cover - depends on the torch release
+        raise _torch_changed("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from err
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(int(n) for n in shape), tuple(int(n) for n in offset)

@@ -1,10 +1,12 @@
-"""Materialise a model built on the ``meta`` device and sharded by FSDP2, with the values an eager build draws, or
-with each rank's slices of saved weights.
+"""Materialise a model built on the ``meta`` device and sharded by FSDP2 and/or tensor parallelism, with the values an
+eager build draws, or with each rank's slices of saved weights.
 
-A rank then never holds the whole model: ``fully_shard`` runs on meta parameters (shapes only), ``to_empty`` gives
-each rank storage for its own shards, and the model's build is replayed one module at a time, each parameter drawn
-whole into a temporary (the random numbers must be drawn in the eager build's order to give its values) of which the
-rank keeps only its rows.
+A rank then never holds the whole model: ``parallelize_module`` and ``fully_shard`` run on meta parameters (shapes
+only), ``to_empty`` gives each rank storage for its own shards, and the model's build is replayed one module at a
+time, each parameter drawn whole into a temporary (the random numbers must be drawn in the eager build's order to
+give its values) of which the rank keeps only its piece: for each ``Shard(dim)`` placement of its ``DTensor`` its
+slice along ``dim`` (FSDP2's rows; a row-parallel layer's columns under TP), the whole tensor where it is
+``Replicate``.
 
 The replay follows what building the model eagerly does to the CPU generator, from the generator state the build
 started from (the same seed gives the same weights as a build without meta, on any device, because an eager FSDP2
@@ -21,7 +23,7 @@ initialised by its own ``post_init`` before its parent goes on; the init walks c
 :func:`lightning_trainopt._compat.transformers_internals.build_order`. A tied parameter keeps the value drawn at its
 owning slot (the input embedding), as transformers' ``tie_weights`` does after the head drew its own.
 
-With saved weights (:func:`load_sharded`) nothing is drawn: each rank reads its rows of each tensor
+With saved weights (:func:`load_sharded`) nothing is drawn: each rank reads its piece of each tensor
 (``safetensors`` ``get_slice``), and only buffers the files lack are filled by the model's init.
 
 Host memory: a parameter that step 2 rewrites is not written in step 1 (its draw only advances the generator, into a
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_trainopt._compat.torch_internals import own_parameters, tensor_version
+from lightning_trainopt._compat.torch_internals import local_box, own_parameters, tensor_version
 from lightning_trainopt._compat.transformers_internals import build_order as hf_build_order
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.transforms.blocks import own_class
@@ -65,30 +67,44 @@ def owner_of_init(root: nn.Module) -> nn.Module | None:
     return None
 
 
-def _local_range(param: torch.Tensor) -> tuple[int, int, int] | None:
-    """For an FSDP2 ``DTensor`` sharded on one dim: ``(dim, start, length)`` of this rank's piece of the whole tensor
-    (``torch.chunk`` along that dim, as ``fully_shard`` splits; an empty piece past the end); ``None`` for a plain
-    tensor (this rank holds it whole)."""
+#: This rank's piece of a whole tensor: ``(dim, start, length)`` for each dimension it is cut along.
+Piece = tuple[tuple[int, int, int], ...]
+
+
+def _local_range(param: torch.Tensor) -> Piece | None:
+    """For a ``DTensor``: this rank's piece of the whole tensor, ``(dim, start, length)`` per dimension that is cut
+    (FSDP2's rows, a tensor-parallel row- or column-parallel layer's rows or columns, both on a 2-D or 3-D mesh; an
+    empty piece past the end of an uneven split); ``None`` for a plain tensor (this rank holds it whole).
+
+    The box comes from torch's own placement arithmetic (:func:`~lightning_trainopt._compat.torch_internals.local_box`)
+    and is checked against the local tensor's shape, so a placement whose piece is not one box is refused.
+    """
     placements = getattr(param, "placements", None)
     if placements is None:
         return None
-    mesh = param.device_mesh  # type: ignore[attr-defined]
-    if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard():
-        raise NotImplementedError(f"meta init handles a 1-D mesh with one Shard placement, not {placements} on {mesh}")
-    dim, world, rank = placements[0].dim, mesh.size(), mesh.get_local_rank()
-    size = param.shape[dim]
-    chunk = -(-size // world)
-    start = min(rank * chunk, size)
-    return dim, start, min(chunk, size - start)
+    shape, offset = local_box(param)
+    local = tuple(_local(param).shape)
+    if local != shape:
+        raise NotImplementedError(
+            f"meta init: the piece {shape} at {offset} that {placements} give is not the local shard {local}"
+        )
+    return tuple(
+        (dim, start, length)
+        for dim, (whole, start, length) in enumerate(zip(param.shape, offset, shape, strict=True))
+        if length != whole
+    )
 
 
 def _local_rows(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The function that cuts this rank's piece of ``param`` out of a whole tensor (the whole tensor if unsharded)."""
     piece = _local_range(param)
-    if piece is None:
-        return lambda whole: whole
-    dim, start, length = piece
-    return lambda whole: whole.narrow(dim, start, length)
+
+    def cut(whole: torch.Tensor) -> torch.Tensor:
+        for dim, start, length in piece or ():
+            whole = whole.narrow(dim, start, length)
+        return whole
+
+    return cut
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -181,7 +197,7 @@ def _provide_storage(root: nn.Module, metas: list[nn.Module], device: torch.devi
     return {(id(group[0][0]), group[0][1]) for group in slots.values()}
 
 
-def _read_piece(path: Path, name: str, piece: tuple[int, int, int] | None, saved: Mapping[str, Any]) -> Any:
+def _read_piece(path: Path, name: str, piece: Piece | None, saved: Mapping[str, Any]) -> Any:
     """This rank's piece of the saved tensor ``name`` (``piece`` as :func:`_local_range` gives it; ``None``: whole).
 
     A safetensors file is opened for this one tensor: ``get_slice`` reads only the slice's bytes through a memory map,
@@ -195,10 +211,14 @@ def _read_piece(path: Path, name: str, piece: tuple[int, int, int] | None, saved
             view = f.get_slice(name)
             if piece is None:
                 return view[:]
-            dim, start, length = piece
-            return view[(slice(None),) * dim + (slice(start, start + length),)]
+            index = [slice(None)] * len(view.get_shape())
+            for dim, start, length in piece:
+                index[dim] = slice(start, start + length)
+            return view[tuple(index)]
     whole = saved[name]
-    return whole if piece is None else whole.narrow(piece[0], piece[1], piece[2])
+    for dim, start, length in piece or ():
+        whole = whole.narrow(dim, start, length)
+    return whole
 
 
 class _MappedBin(dict):  # type: ignore[type-arg]
@@ -301,7 +321,7 @@ def materialize_sharded(
         ConfigError: a module with meta parameters or buffers that nothing initialises, or parameters with values
             beside meta ones (key ``strategy.meta_init``);
             a saved tensor missing or unexpected (key ``model.pretrained``).
-        NotImplementedError: a sharding other than FSDP2's 1-D ``Shard``.
+        NotImplementedError: a placement whose local piece is not one box of the whole tensor.
     """
     metas = [m for m in root.children() if has_meta_tensors(m)]
     if not metas:

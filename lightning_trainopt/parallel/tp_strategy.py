@@ -44,6 +44,9 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
         cpu_offload: FSDP2's ``CPUOffloadPolicy``.
         reshard_after_forward: FSDP2 frees gathered parameters after forward.
         preset: name reported in metrics.
+        meta_init: build the model on the meta device, split it (TP, then ``fully_shard``) and initialise, or read
+            from ``model.pretrained``, only each rank's pieces (:mod:`~lightning_trainopt.parallel.meta_init`).
+            ``False``: every rank builds the whole model, which is then split.
         **kwargs: :class:`lightning.pytorch.strategies.ModelParallelStrategy` arguments (sizes excepted).
 
     Example::
@@ -61,6 +64,7 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         preset: str = "tp",
+        meta_init: bool = True,
         **kwargs: Any,
     ) -> None:
         if tensor_parallel_size != "auto" and (
@@ -73,7 +77,7 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
             )
         if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
             raise ConfigError("strategy.replicate", replicate, "use a positive whole number (1: no replicas).")
-        for key in ("data_parallel_size", "meta_init"):
+        for key in ("data_parallel_size",):
             if key in kwargs:
                 raise ConfigError(
                     f"strategy.{key}",
@@ -81,9 +85,14 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
                     "the tensor-parallel strategy sets it itself: remove it (the data-parallel size is what the "
                     "world size leaves after tensor_parallel_size; replicate=R makes R replicas of it).",
                 )
-        # Our presets are built whole on each rank and then split (a meta build is replayed per FSDP shard only).
         super().__init__(
-            shard_modules, cpu_offload, reshard_after_forward, preset, meta_init=False, data_parallel_size=1, **kwargs
+            shard_modules,
+            cpu_offload,
+            reshard_after_forward,
+            preset,
+            meta_init=meta_init,
+            data_parallel_size=1,
+            **kwargs,
         )
         self.tensor_parallel_size = tensor_parallel_size
         self.replicate = replicate
@@ -150,6 +159,8 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
                 reshard_after_forward=self.reshard_after_forward,
             )
             apply_rewrites(self.model, plan, self.dp_mesh)
+        # A meta build gets storage and values for this rank's pieces only, now that TP and FSDP2 have placed them.
+        self._materialize(self.model)
         how = f"HSDP {dims.dp_replicate} x {dims.dp_shard}" if dims.dp_replicate > 1 else f"FSDP2 over {dims.dp}"
         rank_zero_info(f"Tensor parallel: {dims.tp} ranks per group; {how} data-parallel ranks.")
         module = self.lightning_module

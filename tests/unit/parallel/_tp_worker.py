@@ -11,8 +11,12 @@ for tests/unit/parallel/test_tp.py:
   ``apply_rewrites`` (conversions, TP, activation techniques) to our GPT, ``fully_shard``-ed over the
   data-parallel ranks for ``fsdp_tp``: the loss of one forward and backward against a whole model's, then a forward
   without grad (as validation runs);
-* ``fit``: a Lightning fit with ``TrainOptTPStrategy``: ParallelDims, the sampler's sharding, the batches read,
-  the logged losses, and the global gradient norm Lightning clipped to.
+* ``meta`` (4 processes): our GPT and a tiny Hugging Face Llama (tied embeddings) built on the meta device, split
+  by TP 2 x FSDP2 2 and materialised piece by piece, against a whole build from the same seed (every weight, whole
+  again through ``full_tensor``); and a ``save_pretrained`` Llama read slice by slice against ``from_pretrained``
+  (weights, logits, and the elements this rank read);
+* ``fit``: a Lightning fit with ``TrainOptTPStrategy`` (built on the meta device): ParallelDims, the sampler's
+  sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to.
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node=N tests/unit/parallel/_tp_worker.py OUT_DIR
 """
@@ -65,10 +69,11 @@ class Holder(nn.Module):
         return self.model(x)
 
 
-def _hf_llama() -> nn.Module:
+def _hf_llama(tied: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
+        tie_word_embeddings=tied,
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -186,11 +191,100 @@ def walk(dims: ParallelDims) -> dict[str, Any]:
     return got
 
 
+def _split(kind: str, model: nn.Module, mesh: Any, dims: ParallelDims) -> Holder:
+    """TP over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]`` as the strategy does (blocks, then the model)."""
+    apply_tensor_parallel(model, mesh["tp"])
+    holder = Holder(model)
+    if dims.dp > 1:
+        block = "Block" if kind == "gpt" else "LlamaDecoderLayer"
+        apply_fully_shard(holder, [block], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
+    return holder
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def meta(dims: ParallelDims, rank: int, out: Path) -> dict[str, Any]:
+    """Meta builds split by TP x FSDP2 against whole builds, and a pretrained Llama read slice by slice."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_trainopt.models.hf import _saved_tensors
+    from lightning_trainopt.parallel import meta_init
+
+    mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    got: dict[str, Any] = {}
+    for kind in ("gpt", "hf"):
+        build = (lambda: GPT(SHAPE)) if kind == "gpt" else (lambda: _hf_llama(tied=True))
+        torch.manual_seed(3)
+        whole = build()
+        torch.manual_seed(3)
+        state = torch.get_rng_state()
+        with torch.device("meta"):
+            model = build()
+        torch.manual_seed(999)  # whatever runs between the build and the replay
+        holder = _split(kind, model, mesh, dims)
+        n = meta_init.materialize_sharded(holder, torch.device("cpu"), state)
+        full = _full(model)
+        embed, head = ("embed", "lm_head") if kind == "gpt" else ("model.embed_tokens", "lm_head")
+        got[kind] = {
+            "n": n,
+            "names": len(full),
+            "differ": [name for name, p in whole.named_parameters() if not torch.equal(p, full.get(name, p[:0]))],
+            "tied": model.get_submodule(head).weight is model.get_submodule(embed).weight,
+            "local_share": _elements(model) / sum(p.numel() for p in whole.parameters()),
+        }
+    # A pretrained Llama: rank 0 saves it, every rank reads only its pieces.
+    weights = out / "pretrained"
+    if rank == 0:
+        torch.manual_seed(11)
+        _hf_llama(tied=True).save_pretrained(str(weights))
+    dist.barrier()
+    reference = LlamaForCausalLM.from_pretrained(str(weights), local_files_only=True)
+    with torch.device("meta"):
+        model = _hf_llama(tied=True)
+    holder = _split("hf", model, mesh, dims)
+    read: list[int] = []
+    original = meta_init._read_piece
+
+    def counting(*args: Any) -> Any:
+        tensor = original(*args)
+        read.append(tensor.numel())
+        return tensor
+
+    meta_init._read_piece = counting  # type: ignore[assignment]
+    try:
+        meta_init.materialize_sharded(holder, torch.device("cpu"), None, pretrained=(model, _saved_tensors(weights)))
+    finally:
+        meta_init._read_piece = original  # type: ignore[assignment]
+    full = _full(model)
+    probe = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+    with torch.no_grad():
+        logits = model(probe).logits
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        want = reference(probe).logits
+    got["pretrained"] = {
+        "differ": [name for name, p in reference.named_parameters() if not torch.equal(p, full.get(name, p[:0]))],
+        "names": len(full),
+        "logits_max_diff": float((logits - want).abs().max()),
+        "read_share": sum(read) / sum(p.numel() for p in reference.parameters()),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
+    return got
+
+
 class Probe(pl.Callback):
     """Records the dims, the loader's sharding, each batch and each loss of this rank."""
 
     def __init__(self) -> None:
         self.seen: dict[str, Any] = {"batches": [], "losses": [], "grad_norms": [], "clipped_norms": []}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Before configure_model: the strategy builds this module on the meta device.
+        self.seen["builds_on_meta"] = trainer.strategy.builds_on_meta(pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dims = ParallelDims.from_trainer(trainer)
@@ -245,6 +339,8 @@ def main(out: Path) -> None:
     dims = ParallelDims.from_world(world, tp=2)
     seen: dict[str, Any] = {"rank": rank, "raw": {kind: raw(kind, dims, rank) for kind in ("gpt", "hf")}}
     seen["walk"] = walk(dims)
+    if world == 4:
+        seen["meta"] = meta(dims, rank, out)
     seen["fit"] = fit(dims)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 

@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism: the plans, their refusals, and a real 4-process gloo run (2 x 2 mesh).
 
 The 4-process run (``_tp_worker.py``, one process group for all of it) trains our GPT and a tiny Hugging Face Llama
-with TP 2 x FSDP2 2 against a whole model on the same global batch (what DDP computes), and fits a LitGPT with
+with TP 2 x FSDP2 2 against a whole model on the same global batch (what DDP computes), builds both on the meta device
+(and a pretrained Llama slice by slice) under TP 2 x FSDP2 2 against whole builds, and fits a LitGPT with
 ``TrainOptTPStrategy`` on the HSDP mesh (2 replicas x 1 shard x TP 2), and walks the OK cells of the ``tp`` and
 ``fsdp_tp`` columns of the technique x strategy table. TP alone on 2 processes through the app (``+strategy=tp``) is
 tests/integration/test_tensor_parallel_app.py.
@@ -80,6 +81,30 @@ def test_each_rank_holds_one_tp_th_of_the_parameters_norm_vectors_excepted(ranks
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_a_meta_build_split_by_tp_and_fsdp_equals_a_whole_build_bit_for_bit(ranks, kind):
+    for seen in ranks:
+        got = seen["meta"][kind]
+        assert got["names"] == got["n"] == 20  # every parameter materialised (the tied head once)
+        assert got["differ"] == []  # torch.equal against the whole build from the same seed, weight by weight
+        assert got["tied"]
+        # TP 2 x FSDP2 2: a quarter of the elements, plus the norm vectors TP replicates (a bit over 0.25).
+        assert 0.25 <= got["local_share"] < 0.27
+
+
+@pytest.mark.slow
+def test_a_pretrained_llama_is_read_slice_by_slice_under_tp_and_fsdp(ranks):
+    for seen in ranks:
+        got = seen["meta"]["pretrained"]
+        assert got["names"] == 20
+        assert got["differ"] == []  # every weight as from_pretrained's
+        assert got["tied"]
+        assert got["logits_max_diff"] < 1e-5  # TP sums partial products in another order
+        # Each rank read only its pieces of the safetensors tensors: about a quarter, never the whole model.
+        assert 0.25 <= got["read_share"] < 0.27
+
+
+@pytest.mark.slow
 def test_fit_on_the_hsdp_mesh_reads_one_batch_per_replica_and_clips(ranks):
     fits = [seen["fit"] for seen in ranks]
     for rank, fit in enumerate(fits):
@@ -87,6 +112,7 @@ def test_fit_on_the_hsdp_mesh_reads_one_batch_per_replica_and_clips(ranks):
         assert fit["dims"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
         assert fit["sampler"] == {"num_replicas": 2, "rank": rank // 2}
         assert fit["dtensors"] == fit["params"]
+        assert fit["builds_on_meta"]  # the fit's model was built on meta and materialised piece by piece
         assert all(n > 0.5 for n in fit["grad_norms"])
         assert fit["clipped_norms"] == pytest.approx([0.5] * 3, rel=1e-4)  # Lightning's gradient_clip_val=0.5
     assert fits[0]["batches"] == fits[1]["batches"]
