@@ -245,3 +245,19 @@ def test_preflight_passes_a_tp_config_that_splits_and_refuses_chunked_ce():
     preflight_from_cfg(compose_config(base))
     with pytest.raises(IncompatibleConfigError, match="loss-parallel"):
         preflight_from_cfg(compose_config([*base, "loss=chunked_ce"]))
+
+
+def test_a_rank_reads_its_rows_and_columns_of_a_saved_tensor(tmp_path):
+    """A TP x FSDP2 piece cuts two dimensions: the safetensors slice and the .bin narrow give that box alone."""
+    from safetensors.torch import save_file
+
+    from lightning_trainopt.parallel.meta_init import _MappedBin, _read_piece
+
+    whole = torch.arange(48.0).reshape(6, 8)
+    save_file({"w": whole}, str(tmp_path / "m.safetensors"))
+    torch.save({"w": whole}, tmp_path / "m.bin")
+    piece = ((0, 3, 3), (1, 4, 2))  # rows 3-5, columns 4-5
+    want = whole[3:6, 4:6]
+    assert torch.equal(_read_piece(tmp_path / "m.safetensors", "w", piece, {}), want)
+    assert torch.equal(_read_piece(tmp_path / "m.bin", "w", piece, _MappedBin(tmp_path / "m.bin")), want)
+    assert torch.equal(_read_piece(tmp_path / "m.safetensors", "w", None, {}), whole)
