@@ -36,6 +36,7 @@ __all__ = [
     "dump_memory_snapshot",
     "extension_build_dir",
     "foreach_norms",
+    "head_colwise_parallel",
     "is_compiled",
     "memory_history_supported",
     "nvml_device_index",
@@ -392,3 +393,25 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     norm = private_attr(torch, "_foreach_norm", "torch", *TORCH_RANGE, "torch_internals")
     return list(norm(tensors))
+
+
+def head_colwise_parallel(**kwargs: Any) -> Any:
+    """``ColwiseParallel(**kwargs)`` for an output head whose call may return a loss instead of logits.
+
+    A head loss computed inside the head's call (``loss=chunked_ce`` under tensor parallelism, which reduces the
+    vocabulary shards itself) returns a plain scalar; ColwiseParallel's output hook would read its ``placements``
+    and redistribute it to ``Shard(-1)``. Here a plain tensor passes the hook unchanged, DTensor logits go through
+    torch's own hook. Overrides the private static ``ColwiseParallel._prepare_output_fn``.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    own = private_attr(ColwiseParallel, "_prepare_output_fn", "torch", *TORCH_RANGE, "torch_internals")
+
+    def prepare_output(output_layouts: Any, use_local_output: bool, mod: Any, outputs: Any, device_mesh: Any) -> Any:
+        if not isinstance(outputs, DTensor):
+            return outputs  # the head loss's scalar, already the same on every rank of the group
+        return own(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    style = type("HeadColwiseParallel", (ColwiseParallel,), {"_prepare_output_fn": staticmethod(prepare_output)})
+    return style(**kwargs)
