@@ -36,6 +36,7 @@ __all__ = [
     "dump_memory_snapshot",
     "extension_build_dir",
     "foreach_norms",
+    "head_colwise_parallel",
     "is_compiled",
     "local_box",
     "memory_history_supported",
@@ -408,3 +409,25 @@ def local_box(param: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise _torch_changed("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from err
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(int(n) for n in shape), tuple(int(n) for n in offset)
+
+
+def head_colwise_parallel(**kwargs: Any) -> Any:
+    """``ColwiseParallel(**kwargs)`` for an output head whose call may return a loss instead of logits.
+
+    A head loss computed inside the head's call (``loss=chunked_ce`` under tensor parallelism, which reduces the
+    vocabulary shards itself) returns a plain scalar; ColwiseParallel's output hook would read its ``placements``
+    and redistribute it to ``Shard(-1)``. Here a plain tensor passes the hook unchanged, DTensor logits go through
+    torch's own hook. Overrides the private static ``ColwiseParallel._prepare_output_fn``.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    own = private_attr(ColwiseParallel, "_prepare_output_fn", "torch", *TORCH_RANGE, "torch_internals")
+
+    def prepare_output(output_layouts: Any, use_local_output: bool, mod: Any, outputs: Any, device_mesh: Any) -> Any:
+        if not isinstance(outputs, DTensor):
+            return outputs  # the head loss's scalar, already the same on every rank of the group
+        return own(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    style = type("HeadColwiseParallel", (ColwiseParallel,), {"_prepare_output_fn": staticmethod(prepare_output)})
+    return style(**kwargs)

@@ -65,13 +65,6 @@ TABLE: dict[Technique, dict[Family, Refusal | None]] = {
 TABLE["fp8"]["fsdp1"] = _FSDP1_CONVERT
 TABLE["keep_fp32"]["fsdp1"] = _FSDP1_CONVERT
 # Tensor parallelism (+strategy=tp: TP only; +strategy=fsdp_tp: TP x FSDP2/HSDP).
-_TP_CHUNKED = Refusal(
-    "under tensor parallelism the head's logits stay sharded over the vocabulary for the loss-parallel "
-    "cross-entropy; the chunked loss computes whole-vocabulary logits per chunk from hidden states that are "
-    "sharded over the sequence.",
-    "remove loss=chunked_ce: the loss-parallel cross-entropy never holds the whole vocabulary's logits on one rank "
-    "either (each rank holds vocab/tp of them).",
-)
 _TP_FP8 = Refusal(
     "torchao's float8 tensor-parallel plans all-gather float8 activations: gloo (CPU) has no float8 type (it "
     "fails with 'Invalid scalar type'), and on GPUs (NCCL) this composition has not been verified in this project.",
@@ -89,7 +82,6 @@ _TP_COMPILE = Refusal(
     "remove compile=true with +strategy=tp|fsdp_tp (activations=checkpoint composes).",
 )
 for _family in ("tp", "fsdp_tp"):
-    TABLE["chunked_ce"][_family] = _TP_CHUNKED
     TABLE["compile"][_family] = _TP_COMPILE
     TABLE["fp8"][_family] = _TP_FP8
     TABLE["int8"][_family] = _TP_INT8

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_trainopt._compat.torch_internals import head_colwise_parallel
 from lightning_trainopt.exceptions import IncompatibleConfigError
 
 __all__ = [
@@ -179,7 +180,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
     top = {
         embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         norm: SequenceParallel(),
-        head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        # ColwiseParallel that lets a head loss's scalar through (loss=chunked_ce, vocabulary-parallel).
+        head: head_colwise_parallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     parallelize_module(model, tp_mesh, top)
     # GPT's attention takes (x, rope, doc_ids); Hugging Face's its hidden states by keyword.

@@ -23,7 +23,14 @@ from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["ChunkedLMHeadLoss", "chunked_cross_entropy", "head_returns_loss", "head_weight", "run_in_head_call"]
+__all__ = [
+    "ChunkedLMHeadLoss",
+    "chunked_cross_entropy",
+    "head_returns_loss",
+    "head_weight",
+    "run_in_head_call",
+    "vocab_parallel_chunked_cross_entropy",
+]
 
 #: Tokens per chunk: 1024 tokens x 128k vocabulary = 0.5 GiB of fp32 logits at a time.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -96,6 +103,116 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
+    """:class:`_ChunkedCrossEntropy` over a head weight sharded on the vocabulary across ``group`` (tensor
+    parallelism): each rank computes its ``V / tp`` logits of a chunk; the max, the sum of exponentials and the target's
+    logit are all-reduced over the group, so every rank gets the whole vocabulary's log-sum-exp and the same loss.
+    Backward sums the hidden states' gradient over the group (each rank's shard contributes ``grad_logits @ w``)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        ignore_index: int,
+        vocab_start: int,
+        group: Any,
+    ) -> torch.Tensor:
+        import torch.distributed as dist
+
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        valid = targets != ignore_index
+        count = valid.sum().clamp(min=1)
+        rows = weight.shape[0]
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < rows)  # the target's logit is on this rank's shard
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(device, enabled=False):
+            w = weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                end = min(start + chunk, hidden.shape[0])
+                logits = F.linear(hidden[start:end].to(dtype), w).float()
+                peak = logits.amax(dim=-1)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+                picked = logits.gather(1, local[start:end].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
+                # One all-reduce for both sums: the shards' sums of exponentials and the one shard's target logit.
+                sums = torch.stack([torch.exp(logits - peak.unsqueeze(1)).sum(-1), picked * mine[start:end]])
+                dist.all_reduce(sums, group=group)
+                lse[start:end] = peak + sums[0].log()
+                total += ((lse[start:end] - sums[1]) * valid[start:end]).sum()
+        ctx.save_for_backward(hidden, weight, local, mine, valid, lse, count)
+        ctx.chunk, ctx.dtype, ctx.group = chunk, dtype, group
+        return total / count
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        hidden, weight, local, mine, valid, lse, count = ctx.saved_tensors
+        scale = grad_out.float() / count
+        rows, dtype = weight.shape[0], ctx.dtype
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        w = weight.to(dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end].to(dtype)
+            probs = torch.exp(F.linear(h, w).float() - lse[start:end].unsqueeze(1))
+            hit = -mine[start:end].to(probs.dtype).unsqueeze(1)  # onehot(t) only where t is on this shard
+            probs.scatter_add_(1, local[start:end].clamp(0, rows - 1).unsqueeze(1), hit)
+            grad_logits = (probs * valid[start:end].unsqueeze(1) * scale).to(dtype)
+            grad_hidden[start:end] = (grad_logits @ w).float()
+            grad_weight += (grad_logits.t() @ h).float()
+        dist.all_reduce(grad_hidden, group=ctx.group)  # every shard's part of d loss / d hidden
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def vocab_parallel_chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """:func:`chunked_cross_entropy` with ``weight`` a DTensor sharded over the vocabulary (tensor parallelism).
+
+    The loss-parallel head's counterpart: no rank holds more than one chunk of ``V / tp`` logits. ``hidden`` is a
+    DTensor replicated over the group (what ColwiseParallel's input hook gives the head) or a plain tensor that is
+    the same on every rank of the group; the loss is a plain scalar, the same on every rank of the group.
+
+    Args:
+        hidden: ``(..., d)`` hidden states.
+        weight: ``(V, d)`` DTensor, ``Shard(0)`` on one mesh dimension and replicated on any other.
+        targets: ``(...)`` token ids, the same on every rank of the group.
+        chunk_tokens: tokens per chunk.
+        ignore_index: the target id that does not count.
+
+    Raises:
+        ValueError: ``weight`` is not sharded on the vocabulary over exactly one mesh dimension.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = list(weight.placements)  # type: ignore[attr-defined]
+    sharded = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if len(sharded) != 1 or any(p != Replicate() for i, p in enumerate(placements) if i != sharded[0]):
+        raise ValueError(f"the head weight's placements {placements} are not Shard(0) over one mesh dimension")
+    mesh, dim = weight.device_mesh, sharded[0]  # type: ignore[attr-defined]
+    local_weight = weight.to_local()  # type: ignore[attr-defined]
+    if isinstance(hidden, DTensor):
+        hidden = hidden.full_tensor()
+    if weight.shape[0] % mesh.size(dim):
+        raise ValueError(f"a vocabulary of {weight.shape[0]} does not split evenly over {mesh.size(dim)} ranks")
+    vocab_start = mesh.get_local_rank(dim) * local_weight.shape[0]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return _VocabParallelChunkedCrossEntropy.apply(  # type: ignore[no-any-return]
+        flat, local_weight, targets.reshape(-1), chunk_tokens, ignore_index, vocab_start, mesh.get_group(dim)
+    )
 
 
 def chunked_cross_entropy(
@@ -189,6 +306,12 @@ def head_returns_loss(head: nn.Module, loss: Any, targets: torch.Tensor, shift: 
             head.forward = own  # type: ignore[method-assign]
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 class ChunkedLMHeadLoss:
     """Run :func:`chunked_cross_entropy` through an output head module's own call (``loss(head, hidden, targets)``).
 
@@ -214,9 +337,16 @@ class ChunkedLMHeadLoss:
     def compute(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss from the head's parameters as they are (call it where they are gathered: inside the head's call)."""
         bias = getattr(head, "bias", None)
-        return chunked_cross_entropy(
-            hidden, head_weight(head, self.name), targets, bias, self.chunk_tokens, self.ignore_index
-        )
+        weight = head_weight(head, self.name)
+        if _is_dtensor(weight):  # tensor parallelism: the head is sharded over the vocabulary
+            if bias is not None:
+                raise ConfigError(
+                    "loss",
+                    self.name,
+                    "a head with a bias is not supported under tensor parallelism; use loss=standard.",
+                )
+            return vocab_parallel_chunked_cross_entropy(hidden, weight, targets, self.chunk_tokens, self.ignore_index)
+        return chunked_cross_entropy(hidden, weight, targets, bias, self.chunk_tokens, self.ignore_index)
 
     def __call__(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head_weight(head, self.name)

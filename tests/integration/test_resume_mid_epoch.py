@@ -143,6 +143,15 @@ def fsdp(tmp_path_factory):
     return _case(tmp_path_factory.mktemp("fsdp"), [*_command(), "+strategy=fsdp"])
 
 
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory):
+    """Tensor parallel over the 2 processes: only the uninterrupted run (the random-kill test is the TP case)."""
+    run_dir = tmp_path_factory.mktemp("tp") / "full"
+    full = _train([*_command(), "+strategy=tp"], run_dir)
+    assert full.returncode == 0, full.stderr[-3000:]
+    return {"full": run_dir}
+
+
 # DDP on 2 processes with 2 micro-batches per optimizer step, continued on 1 process with micro-batch 4: the same 4
 # sequences per micro-batch step, so the same samples reach each optimizer step. A rerun on 1 process that keeps
 # micro-batch 2 would read 2 sequences per step where the checkpoint counted 4, and is refused before training.
@@ -273,7 +282,8 @@ def _kill_at_random(args: list[str], run_dir: Path, sig: signal.Signals, delay: 
 # far more.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("case", "strategy"), [pytest.param("zero2", "zero2", marks=RunIf(deepspeed=True)), ("fsdp", "fsdp")]
+    ("case", "strategy"),
+    [pytest.param("zero2", "zero2", marks=RunIf(deepspeed=True)), ("fsdp", "fsdp"), ("tp", "tp")],
 )
 def test_a_run_killed_three_times_at_random_ends_as_the_uninterrupted_one(case, strategy, request, tmp_path):
     full = _metrics(request.getfixturevalue(case)["full"])

@@ -15,6 +15,8 @@ for tests/unit/parallel/test_tp.py:
   by TP 2 x FSDP2 2 and materialised piece by piece, against a whole build from the same seed (every weight, whole
   again through ``full_tensor``); and a ``save_pretrained`` Llama read slice by slice against ``from_pretrained``
   (weights, logits, and the elements this rank read);
+* ``chunked``: ``loss=chunked_ce`` on the vocabulary-sharded head (the ``chunked_ce`` cell of ``tp`` and
+  ``fsdp_tp``) against the loss-parallel cross-entropy: the loss and each gradient;
 * ``fit``: a Lightning fit with ``TrainOptTPStrategy`` (built on the meta device): ParallelDims, the sampler's
   sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to.
 
@@ -49,6 +51,7 @@ from lightning_trainopt.parallel.tp import apply_tensor_parallel, clip_grad_norm
 from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy  # noqa: E402
 from lightning_trainopt.precision.spec import PrecisionSpec  # noqa: E402
 from lightning_trainopt.transforms.checkpointing import CheckpointPolicy  # noqa: E402
+from lightning_trainopt.transforms.chunked_loss import ChunkedLMHeadLoss, head_returns_loss  # noqa: E402
 from lightning_trainopt.transforms.offload import CpuOffloader  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data  # noqa: E402
 
@@ -146,6 +149,36 @@ def raw(kind: str, dims: ParallelDims, rank: int) -> dict[str, Any]:
         "norm_elements": norm_numel,
         "local_elements_tp": local_after_tp,
     }
+
+
+def chunked(dims: ParallelDims) -> dict[str, Any]:
+    """``loss=chunked_ce`` on the vocabulary-sharded head against the loss-parallel cross-entropy of the same model:
+    the loss and every gradient (this rank's shard), 5 tokens per chunk (ragged: 2 x 16 tokens), some targets ignored,
+    fully_shard-ed over the data-parallel ranks on the 2 x 2 mesh."""
+    mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(SHAPE)
+    apply_tensor_parallel(model, mesh["tp"])
+    if dims.dp > 1:
+        apply_fully_shard(Holder(model), ["Block"], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
+    y = torch.roll(x, -1, 1)
+    y[0, :3] = -100  # padding that does not count
+    with loss_parallel():
+        logits = model(x)
+        standard = nn.functional.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1), ignore_index=-100)
+        standard = standard.full_tensor() if isinstance(standard, DTensor) else standard
+        standard.backward()
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with loss_parallel(), head_returns_loss(model.lm_head, ChunkedLMHeadLoss(chunk_tokens=5), y):
+        loss = model(x)
+        loss.backward()
+    plain = not isinstance(loss, DTensor)
+    diffs = {n: float((p.grad.to_local() - grads[n]).abs().max()) for n, p in model.named_parameters()}
+    scale = max(float(g.abs().max()) for g in grads.values())
+    out = {"standard": float(standard.detach()), "chunked": float(loss.detach()), "plain": plain}
+    return {**out, "grad_diffs": diffs, "scale": scale}
 
 
 def _technique_plan(technique: str) -> RewritePlan:
@@ -341,6 +374,7 @@ def main(out: Path) -> None:
     seen["walk"] = walk(dims)
     if world == 4:
         seen["meta"] = meta(dims, rank, out)
+    seen["chunked"] = chunked(dims)
     seen["fit"] = fit(dims)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 
