@@ -33,7 +33,10 @@ lightning.__version__, hydra.__version__, deepspeed.__version__)" 2>&1 | tee "$O
     # Every test whose RunIf needs CUDA carries the `cuda` marker (tests/conftest.py): NVML, snapshots, OOM
     # forensics, allocator breakdown, MFU on GPU, activation offload, finder OOM trials, fp16 fit, planner peak.
     log "pytest -m cuda"
-    timeout 270 "$PY" -m pytest -q -p no:cacheprovider -rs -m cuda 2>&1 | tee "$OUT/pytest_cuda.txt"
+    # -o addopts: the project runs its suite in 2 xdist workers; the GPU image may lack pytest-xdist, and one GPU
+    # wants one worker anyway.
+    timeout 270 "$PY" -m pytest -o addopts="--strict-markers --import-mode=importlib" -q -p no:cacheprovider -rs \
+        -m cuda 2>&1 | tee "$OUT/pytest_cuda.txt"
     # Callback overhead: the six monitors vs none, 125M model, bf16: per-callback one-time/per-step table (target < 1%).
     log "callback overhead"
     timeout 120 "$PY" bench/callback_overhead.py --device cuda --model 125m --steps 40 --warmup 10 --rounds 3 \

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lightning_trainopt.exceptions import IncompatibleConfigError
+from lightning_trainopt.planner.strategy_layout import registered_answers
 from lightning_trainopt.precision.spec import PrecisionSpec
 
 __all__ = ["FP16_FSDP2_FIX", "FP16_FSDP2_REASON", "PrecisionNeeds", "trainer_precision_kwargs"]
@@ -62,7 +63,7 @@ def _device(accelerator: str | None) -> str:
 
 
 def trainer_precision_kwargs(
-    spec: PrecisionSpec, needs: PrecisionNeeds | None = None, accelerator: str | None = None
+    spec: PrecisionSpec, needs: PrecisionNeeds | Any = None, accelerator: str | None = None
 ) -> dict[str, Any]:
     """``{"precision": ...}`` or, for fp16 with custom loss scaling outside DeepSpeed, ``{"plugins": [...]}``.
 
@@ -77,22 +78,30 @@ def trainer_precision_kwargs(
     Raises:
         IncompatibleConfigError: fp16 AMP with FSDP2 (``ModelParallelStrategy``), which Lightning itself refuses for
             the precision string; passing a plugin would slip past that check.
-        TypeError: ``needs`` is a strategy (or its name) instead of its answers.
+        TypeError: ``needs`` is neither answers, a strategy ``parallel/`` can answer, nor a strategy's name.
 
     Args:
         spec: the precision preset.
         needs: what the strategy needs of its plugin (``lightning_trainopt.parallel.precision_needs(strategy)``);
-            ``None``: a strategy that needs nothing of its own (one device, DDP, ``"auto"``).
+            a built strategy or its name (the earlier form: answered by ``parallel/``); ``None``: a strategy that
+            needs nothing of its own (one device, DDP, ``"auto"``).
         accelerator: ``trainer.accelerator`` (``cpu``, ``gpu``, ``auto``...): where autocast and FP8 run; ``None``
             or ``auto``: a visible GPU, else the CPU.
     """
     if needs is None:
         needs = PrecisionNeeds()
+    elif isinstance(needs, str):
+        needs = PrecisionNeeds(strategy=needs)  # a name Lightning resolves to one device or DDP
     elif not isinstance(needs, PrecisionNeeds):
-        raise TypeError(
-            f"trainer_precision_kwargs takes what the strategy needs, not {type(needs).__name__}: pass "
-            "lightning_trainopt.parallel.precision_needs(strategy)."
-        )
+        # A built strategy, as this function took before its answers moved to parallel/: asked of the answerer
+        # parallel/ registers when the package is imported (its spec_of), so callers of the old form keep working.
+        answered = getattr(registered_answers(needs), "precision_needs", None)
+        if not isinstance(answered, PrecisionNeeds):
+            raise TypeError(
+                f"trainer_precision_kwargs takes what the strategy needs, not {type(needs).__name__}: pass "
+                "lightning_trainopt.parallel.precision_needs(strategy)."
+            )
+        needs = answered
     if spec.trainer_precision == "16-mixed" and needs.per_param_shards:
         raise IncompatibleConfigError(
             {"precision": spec.name, "strategy": needs.strategy}, FP16_FSDP2_REASON, FP16_FSDP2_FIX

@@ -49,3 +49,18 @@ def test_deepspeed_keeps_its_own_scaler():
 def test_fp16_under_fsdp2_is_refused_even_with_a_custom_scaler(spec):
     with pytest.raises(IncompatibleConfigError, match="bf16"):
         trainer_precision_kwargs(spec, precision_needs(TrainOptFSDPStrategy()))
+
+
+def test_a_built_strategy_or_its_name_is_answered_as_before():
+    # The earlier form, trainer_precision_kwargs(spec, strategy) (bench/planner_states.py, users' own scripts):
+    # parallel/ answers the strategy, so the result is the same as with its precision_needs.
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    assert trainer_precision_kwargs(FP16_SCALED, DeepSpeedStrategy(stage=2)) == trainer_precision_kwargs(
+        FP16_SCALED, precision_needs(DeepSpeedStrategy(stage=2))
+    )
+    assert trainer_precision_kwargs(FP16_SCALED, DeepSpeedStrategy(stage=2)) == {"precision": "16-mixed"}
+    with pytest.raises(IncompatibleConfigError):
+        trainer_precision_kwargs(FP16_SCALED, TrainOptFSDPStrategy())
+    bf16 = PrecisionSpec(name="bf16", trainer_precision="bf16-mixed")
+    assert trainer_precision_kwargs(bf16, "auto") == {"precision": "bf16-mixed"}
