@@ -110,6 +110,31 @@ def _candidates(ckpt_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
+def _scan(ckpt_dir: Path, mode: str) -> tuple[list[Path], Path | None, list[tuple[Path, str]]]:
+    """``(candidates, newest complete one or None, newer ones skipped with their problem)`` of ``ckpt_dir``.
+
+    What a killed write left in ``ckpt_dir`` is undone first
+    (:func:`~lightning_trainopt.checkpoint.files.recover_interrupted_writes`), each step logged; each skipped newer
+    checkpoint is named in a warning (``ckpt_path=<mode>: skipping ...``) when a complete one is found.
+    """
+    for line in recover_interrupted_writes(ckpt_dir):
+        log.warning("%s: %s", ckpt_dir, line)
+    found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    skipped: list[tuple[Path, str]] = []
+    for path in found:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for bad, why in skipped:
+                log.warning("ckpt_path=%s: skipping %s, newer than %s but incomplete: %s", mode, bad, path.name, why)
+            return found, path, skipped
+        skipped.append((path, problem))
+    return found, None, skipped
+
+
+def _listing(skipped: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{p.name}: {why}" for p, why in skipped)
+
+
 def newest_complete_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str:
     """``ckpt_path=last``: the newest checkpoint in ``ckpt_dir`` that is complete (:func:`checkpoint_problem`).
 
@@ -121,28 +146,19 @@ def newest_complete_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str:
         ConfigError: no checkpoint in ``ckpt_dir``, or none of them is complete (each is listed with its problem).
     """
     ckpt_dir = Path(ckpt_dir)
-    for line in recover_interrupted_writes(ckpt_dir):
-        log.warning("%s: %s", ckpt_dir, line)
-    found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    found, good, skipped = _scan(ckpt_dir, "last")
+    if good is not None:
+        return str(good)
     if not found:
         raise ConfigError(
             "ckpt_path",
             "last",
             f"no checkpoint in {ckpt_dir}; point hydra.run.dir at the run to resume, or give a checkpoint path.",
         )
-    skipped: list[tuple[Path, str]] = []
-    for path in found:
-        problem = checkpoint_problem(path)
-        if problem is None:
-            for bad, why in skipped:
-                log.warning("ckpt_path=last: skipping %s, newer than %s but incomplete: %s", bad, path.name, why)
-            return str(path)
-        skipped.append((path, problem))
-    listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
     raise ConfigError(
         "ckpt_path",
         "last",
-        f"no complete checkpoint in {ckpt_dir} ({listing}); start the run afresh (ckpt_path=null, another "
+        f"no complete checkpoint in {ckpt_dir} ({_listing(skipped)}); start the run afresh (ckpt_path=null, another "
         "hydra.run.dir) or give a checkpoint from elsewhere.",
     )
 
@@ -157,23 +173,16 @@ def auto_resume_checkpoint(ckpt_dir: str | os.PathLike[str]) -> str | None:
     as for ``ckpt_path=last`` (:func:`newest_complete_checkpoint`).
     """
     ckpt_dir = Path(ckpt_dir)
-    for line in recover_interrupted_writes(ckpt_dir):
-        log.warning("%s: %s", ckpt_dir, line)
-    found = _candidates(ckpt_dir) if ckpt_dir.is_dir() else []
+    found, good, skipped = _scan(ckpt_dir, "auto")
+    if good is not None:
+        log.info("ckpt_path=auto: resuming from %s.", good)
+        return str(good)
     if not found:
         log.info("ckpt_path=auto: no checkpoint in %s; starting the run.", ckpt_dir)
-        return None
-    skipped: list[tuple[Path, str]] = []
-    for path in found:
-        problem = checkpoint_problem(path)
-        if problem is None:
-            for bad, why in skipped:
-                log.warning("ckpt_path=auto: skipping %s, newer than %s but incomplete: %s", bad, path.name, why)
-            log.info("ckpt_path=auto: resuming from %s.", path)
-            return str(path)
-        skipped.append((path, problem))
-    listing = "; ".join(f"{p.name}: {why}" for p, why in skipped)
-    log.warning("ckpt_path=auto: no complete checkpoint in %s (%s); starting the run afresh.", ckpt_dir, listing)
+    else:
+        log.warning(
+            "ckpt_path=auto: no complete checkpoint in %s (%s); starting the run afresh.", ckpt_dir, _listing(skipped)
+        )
     return None
 
 
