@@ -14,24 +14,12 @@ import time
 import torch
 
 from lightning_trainopt.checkpoint import files
+from tests.helpers.one_process import OneProcess
 
 
 def _stall() -> None:
     print("STALLED", flush=True)
     time.sleep(600)
-
-
-class _OneProcess:
-    is_global_zero = True
-
-    def broadcast(self, obj):
-        return obj
-
-    def reduce_boolean_decision(self, decision, all=True):
-        return decision
-
-    def barrier(self, name=None):
-        pass
 
 
 def main(mode: str, path: str) -> None:
@@ -64,7 +52,7 @@ def main(mode: str, path: str) -> None:
                 _stall()
 
         files.os.replace = replace_then_stall  # type: ignore[assignment]
-    files.save_directory_checkpoint(_OneProcess(), path, write)
+    files.save_directory_checkpoint(OneProcess(), path, write)
 
 
 if __name__ == "__main__":

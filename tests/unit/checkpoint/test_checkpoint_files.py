@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from lightning_trainopt.checkpoint.files import BACKUP_MARK, commit_staged, discard_staged, staging_path
+from tests.helpers.one_process import OneProcess
 
 
 def test_file_commit_replaces_atomically(tmp_path):
@@ -95,21 +96,6 @@ def test_full_disk_keeps_the_previous_file_and_leaves_no_partial(tiny_disk):
     assert torch.equal(torch.load(final)["w"], torch.arange(1000, dtype=torch.float32))
 
 
-class _OneProcess:
-    """The strategy calls save_directory_checkpoint makes, for one process."""
-
-    is_global_zero = True
-
-    def broadcast(self, obj):
-        return obj
-
-    def reduce_boolean_decision(self, decision, all=True):
-        return decision
-
-    def barrier(self, name=None):
-        pass
-
-
 def _write_dir(n_floats):
     import torch
 
@@ -126,7 +112,7 @@ def test_directory_checkpoint_is_sealed_with_a_manifest(tmp_path):
     from lightning_trainopt.checkpoint.files import MANIFEST, save_directory_checkpoint
 
     final = tmp_path / "step2.ckpt"
-    save_directory_checkpoint(_OneProcess(), final, _write_dir(10))
+    save_directory_checkpoint(OneProcess(), final, _write_dir(10))
     files = json.loads((final / MANIFEST).read_text())["files"]
     part = final / "checkpoint" / "mp_rank_00_model_states.pt"
     assert files == {"checkpoint/mp_rank_00_model_states.pt": part.stat().st_size}
@@ -139,9 +125,9 @@ def test_full_disk_keeps_the_previous_directory(tiny_disk):
     from lightning_trainopt.exceptions import CheckpointWriteError
 
     final = tiny_disk / "last.ckpt"
-    save_directory_checkpoint(_OneProcess(), final, _write_dir(1000))
+    save_directory_checkpoint(OneProcess(), final, _write_dir(1000))
     with pytest.raises(CheckpointWriteError, match="ENOSPC"):
-        save_directory_checkpoint(_OneProcess(), final, _write_dir(400_000))
+        save_directory_checkpoint(OneProcess(), final, _write_dir(400_000))
     assert os.listdir(tiny_disk) == ["last.ckpt"]
     assert checkpoint_problem(final) is None
 
@@ -157,7 +143,7 @@ def test_a_rank_whose_disk_fills_stops_every_rank_from_committing(tiny_disk):
     from tests.helpers.compose import REPO_ROOT
 
     final = tiny_disk / "last.ckpt"
-    save_directory_checkpoint(_OneProcess(), final, _write_dir(1000))  # the previous good checkpoint
+    save_directory_checkpoint(OneProcess(), final, _write_dir(1000))  # the previous good checkpoint
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])

@@ -21,22 +21,10 @@ from lightning_trainopt.checkpoint.files import save_directory_checkpoint, write
 from lightning_trainopt.checkpoint.verify import auto_resume_checkpoint, newest_complete_checkpoint
 from tests.helpers.compose import REPO_ROOT
 from tests.helpers.env import child_env
+from tests.helpers.one_process import OneProcess
 
 WORKER = Path(__file__).with_name("_killed_write.py")
 OLD = torch.full((250_000,), 1.0)
-
-
-class _OneProcess:
-    is_global_zero = True
-
-    def broadcast(self, obj):
-        return obj
-
-    def reduce_boolean_decision(self, decision, all=True):
-        return decision
-
-    def barrier(self, name=None):
-        pass
 
 
 def _kill_while_writing(mode: str, path: Path) -> None:
@@ -82,7 +70,7 @@ def test_a_write_killed_half_way_leaves_the_last_good_checkpoint(tmp_path, mode,
             for part in ("part0.pt", "part1.pt"):
                 torch.save({"w": OLD}, os.path.join(staging, part))
 
-        save_directory_checkpoint(_OneProcess(), path, write)
+        save_directory_checkpoint(OneProcess(), path, write)
     _kill_while_writing(mode, path)
     leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
     assert leftovers, "the kill left nothing behind: it did not land inside the write"
