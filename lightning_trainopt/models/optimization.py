@@ -47,8 +47,8 @@ def strategy_answers(module: pl.LightningModule) -> StrategyQuestions | None:
 
     The answers are worked out in ``parallel/``: carried by the strategy (``trainer.strategy.spec``: our strategies
     carry their own; the app's builder and ``lightning_trainopt.parallel.with_spec`` give one to Lightning's), else
-    asked of the answerer ``parallel/`` registered (:func:`answer_strategies_with`), so this room never tests a
-    strategy's class.
+    asked of the answerer ``parallel/`` registered (:mod:`lightning_trainopt.strategy_answers`), so this room never
+    tests a strategy's class.
     """
     trainer = module_trainer(module)
     if trainer is None:

@@ -48,7 +48,7 @@ from lightning_trainopt.parallel.zero_spec import (
     lightning_zero_config,
     read_zero,
 )
-from lightning_trainopt.planner.strategy_layout import StrategyLayout, StrategyQuestions, answer_strategies_with
+from lightning_trainopt.planner.strategy_layout import StrategyLayout, StrategyQuestions
 
 if TYPE_CHECKING:
     from lightning_trainopt.parallel.compat_table import Family
@@ -488,8 +488,3 @@ def _deepspeed_node(name: str, target: str, cls: type, kwargs: dict[str, Any]) -
     zero = lightning_zero_config(args)
     config_of_kwargs = {} if zero is None else {"zero_optimization": zero}
     return deepspeed_config_spec(config_of_kwargs, name=name, target=target, from_json=False, allow_auto=True)
-
-
-# A strategy that carries no spec (Lightning's own, built by a user around our modules) is answered by class here,
-# not in models/: the room below asks through this registration.
-answer_strategies_with(spec_of)

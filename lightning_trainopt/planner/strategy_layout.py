@@ -11,17 +11,16 @@ parameters?" with one definition, and callers ask (``spec.shards_params``) inste
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lightning_trainopt import strategy_answers
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 
 __all__ = [
     "MODEL_SIZED_BUCKET_CAP",
     "StrategyLayout",
     "StrategyQuestions",
-    "answer_strategies_with",
     "model_sized_bucket",
     "registered_answers",
 ]
@@ -238,19 +237,12 @@ class StrategyLayout(StrategyQuestions):
         return self.kind != "single"
 
 
-_ANSWERER: list[Callable[[Any], StrategyQuestions]] = []
-
-
-def answer_strategies_with(answerer: Callable[[Any], StrategyQuestions]) -> None:
-    """Register how a built strategy is answered: ``parallel/`` registers its ``spec_of`` when it is imported.
-
-    The rooms below ``parallel/`` (``models/``) ask about a user's own strategy (Lightning's ``DeepSpeedStrategy``
-    built around our modules, carrying no spec) through :func:`registered_answers`: ``parallel/`` hands its answerer
-    down here instead of being imported by them, and the package's ``__init__`` imports it, so it is always there.
-    """
-    _ANSWERER[:] = [answerer]
-
-
 def registered_answers(strategy: Any) -> StrategyQuestions | None:
-    """The registered answerer's :class:`StrategyQuestions` for ``strategy`` (``None`` when none is registered)."""
-    return _ANSWERER[0](strategy) if _ANSWERER else None
+    """The registered answerer's :class:`StrategyQuestions` for ``strategy`` (``None`` when none is registered).
+
+    The rooms below ``parallel/`` (``models/``, ``precision/``) ask about a user's own strategy (Lightning's
+    ``DeepSpeedStrategy`` built around our modules, carrying no spec) here; ``parallel/`` answers, registered by the
+    package's ``__init__`` in :mod:`lightning_trainopt.strategy_answers`.
+    """
+    answered: StrategyQuestions | None = strategy_answers.registered_answers(strategy)
+    return answered

@@ -144,3 +144,27 @@ def test_a_rank_whose_launcher_is_already_gone_does_not_start():
     assert proc.returncode == 1
     assert "the launcher of this rank (pid 999999999) has exited" in proc.stderr
     assert "started" not in proc.stdout
+
+
+def test_importing_the_launcher_guard_imports_neither_torch_nor_lightning():
+    # train.py calls die_with_parent before anything heavy: a rank whose launcher is killed during start-up must end
+    # within its first fraction of a second. The package's __init__ once imported parallel/ (torch, Lightning,
+    # DeepSpeed: 4 s), and CI's kill-during-start-up test found rank 1 still importing after 7 s.
+    code = (
+        "import sys, lightning_trainopt.launch.launcher as l; "
+        "print(sorted(m for m in ('torch', 'lightning', 'deepspeed', 'hydra') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_user_strategy_is_still_answered_by_parallel_after_a_light_package_import():
+    # The answerer is registered by the package's __init__ as a thunk that imports parallel/ on the first question.
+    code = (
+        "from lightning.pytorch.strategies import DeepSpeedStrategy\n"
+        "from lightning_trainopt.planner.strategy_layout import registered_answers\n"
+        "q = registered_answers(DeepSpeedStrategy(stage=3))\n"
+        "print(q.kind, q.zero_stage, q.shards_params)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1].split() == ["deepspeed", "3", "True"], out
