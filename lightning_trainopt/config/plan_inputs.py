@@ -300,9 +300,13 @@ def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
         return GPTConfig(**node)
     from lightning_trainopt.config.plan_model import module_max_seq_len, module_plan_profile
     from lightning_trainopt.config.plan_precision import with_planned_loss
+    from lightning_trainopt.parallel.tp import inner_model, tp_shape, tp_sharded_parameters
 
     module = with_planned_loss(meta_module(cfg), cfg)
-    return module_plan_profile(module, model_name(cfg.model.get("name"), module), module_max_seq_len(module))
+    # A Hugging Face Llama/Mistral/Qwen2 has a TP plan: the planner splits what the rewrite will split.
+    inner = inner_model(module)
+    tp = (tp_shape(inner), tp_sharded_parameters(inner))
+    return module_plan_profile(module, model_name(cfg.model.get("name"), module), module_max_seq_len(module), tp=tp)
 
 
 def _strategy_value(node: Any, key: str, default: Any) -> Any:

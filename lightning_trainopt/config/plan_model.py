@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from functools import cache
 from typing import Any
 
@@ -28,6 +28,7 @@ from lightning_trainopt.planner.measure import (
     measured_activation_terms,
 )
 from lightning_trainopt.planner.terms import MemoryEstimate
+from lightning_trainopt.planner.tp_shape import TPShape
 
 __all__ = [
     "BATCH_FORMATS",
@@ -124,6 +125,7 @@ def module_plan_profile(
     loss_fn: Callable[[nn.Module, Any], Any] = training_loss,
     transform: Callable[[nn.Module], None] | None = None,
     measure_context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    tp: tuple[TPShape | None, Collection[int]] = (None, ()),
 ) -> ModelProfile:
     """The profile of ``module`` (a LightningModule with its model built on ``meta``, or any ``nn.Module``).
 
@@ -137,6 +139,8 @@ def module_plan_profile(
         transform: applied to each fake copy before it is measured, before checkpointing wraps its blocks, as the
             precision plugin converts the model before the strategy and the callbacks see it (FP8 layers,
             fp32-kept modules: ``config.plan_precision``).
+        tp: what a tensor-parallel plan splits of it and the ``id`` of each parameter it splits
+            (``parallel.tp.tp_shape``, ``tp_sharded_parameters``); ``(None, ())``: no plan, TP is refused.
         measure_context: entered around each measurement (``config.plan_precision``: torchao's ``Float8Linear`` sees
             the CPU autocast as a GPU run's).
 
@@ -204,7 +208,7 @@ def module_plan_profile(
         model = fit(micro_batch, seq_len)
         return model, fit.hardware(micro_batch, seq_len) - model
 
-    profile = module_profile(module, name, activations, flops, blocks, trace, max_seq_len)
+    profile = module_profile(module, name, activations, flops, blocks, trace, max_seq_len, *tp)
     n_blocks = profile.n_blocks  # read by the two measuring closures above, which run only after this
     return profile
 

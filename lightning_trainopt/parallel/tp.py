@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_trainopt._compat.torch_internals import head_colwise_parallel
 from lightning_trainopt.exceptions import IncompatibleConfigError
+from lightning_trainopt.planner.tp_shape import TP_HF_ARCHITECTURES, TPShape, tp_divisibility_errors
 
 __all__ = [
     "ARCHITECTURES",
@@ -38,12 +39,14 @@ __all__ = [
     "inner_model",
     "model_shape",
     "tp_divisibility_errors",
+    "tp_shape",
+    "tp_sharded_parameters",
 ]
 
 _GPT = "lightning_trainopt.models.gpt.GPT"
 
 #: Architectures with a plan: our GPT presets (``models/gpt.py``) and Hugging Face's Llama family by ``model_type``.
-ARCHITECTURES = ("gpt", "llama", "mistral", "qwen2")
+ARCHITECTURES = ("gpt", *TP_HF_ARCHITECTURES)
 
 # Module names of each plan, relative to the inner model: (embedding, blocks, attention, q, k, v, o, attention norm,
 # mlp, gate, up, down, mlp norm, final norm, head).
@@ -110,19 +113,40 @@ def model_shape(model: nn.Module) -> dict[str, int]:
     }
 
 
-def tp_divisibility_errors(shape: dict[str, int], tp: int, seq_len: int | None = None) -> list[str]:
-    """What of a model's shape the tensor-parallel size ``tp`` does not divide (empty: every size divides).
+def tp_shape(model: nn.Module) -> TPShape | None:
+    """What the plan for ``model`` splits, for the planner (``None``: no plan for its architecture)."""
+    arch = architecture_of(model)
+    if arch is None:
+        return None
+    cfg: Any = model.config
+    s = model_shape(model)
+    hidden, layers = (cfg.d_model, cfg.n_layers) if arch == "gpt" else (cfg.hidden_size, cfg.num_hidden_layers)
+    return TPShape(arch, hidden, s["heads"], s["kv_heads"], s["ffn"], s["vocab"], layers)
 
-    Args:
-        shape: ``heads``, ``kv_heads``, ``ffn``, ``vocab`` (the model's sizes).
-        tp: tensor-parallel size.
-        seq_len: the training sequence length (sequence parallelism splits it), ``None``: not checked.
+
+def tp_sharded_parameters(model: nn.Module) -> set[int]:
+    """``id`` of each parameter of ``model`` that :func:`apply_tensor_parallel` splits over the TP ranks (the rest,
+    norm vectors and row-parallel biases, stay whole on each): read from the plan's module names, without a mesh,
+    so the planner counts a rank's share of a meta model as the rewrite will cut it.
+
+    Column-parallel layers (q/k/v, gate/up, the head) shard weight and bias; row-parallel ones (o, down, the
+    embedding) shard the weight and replicate the bias (torch's ``RowwiseParallel``).
     """
-    names = {"heads": "attention heads", "kv_heads": "key/value heads", "ffn": "FFN width", "vocab": "vocabulary"}
-    errors = [f"{names[k]} {shape[k]}" for k in names if k in shape and shape[k] % tp]
-    if seq_len is not None and seq_len % tp:
-        errors.append(f"sequence length {seq_len} (sequence parallelism splits it)")
-    return errors
+    arch = architecture_of(model)
+    if arch is None:
+        return set()
+    embed, blocks, attn, q, k, v, o, _, mlp, gate, up, down, _, _, head = _NAMES["gpt" if arch == "gpt" else "hf"]
+    # (module, column-parallel): a column-parallel layer splits its bias too, a row-parallel one keeps it whole.
+    targets: list[tuple[nn.Module, bool]] = [(model.get_submodule(head), True), (model.get_submodule(embed), False)]
+    layers: Any = model.get_submodule(blocks)
+    for layer in layers:
+        targets += [(layer.get_submodule(f"{attn}.{n}"), True) for n in (q, k, v)]
+        targets += [(layer.get_submodule(f"{mlp}.{n}"), True) for n in (gate, up)]
+        targets += [(layer.get_submodule(f"{attn}.{o}"), False), (layer.get_submodule(f"{mlp}.{down}"), False)]
+    out: set[int] = set()
+    for mod, column in targets:
+        out.update(id(p) for n, p in mod.named_parameters(recurse=False) if column or n == "weight")
+    return out
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False) -> TPReport:

@@ -15,6 +15,7 @@ from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, f
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.planner.tensor_parallel import tp_activations, tp_comm, tp_profile
 from lightning_trainopt.planner.terms import MemoryEstimate
+from lightning_trainopt.planner.tp_shape import TP_HF_ARCHITECTURES, TPShape
 
 __all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
 
@@ -37,7 +38,8 @@ class PlanInputs:
         num_nodes: nodes.
         tensor_parallel: devices of one tensor-parallel group (``ParallelDims.tp``, ``strategy.tensor_parallel_size``):
             weights split over them (``tensor_parallel``), their activations by Korthikanti's formulas, and their
-            collectives charged to the step. Our GPT-shaped presets only (the module's shape names what TP splits).
+            collectives charged to the step. Models with a TP plan only (our presets, Hugging Face Llama, Mistral,
+            Qwen2: ``ModelProfile.tp_shape``).
         attention: ``sdpa`` or ``math``.
         adam_path: how torch Adam/AdamW runs its step (``fused``, ``foreach``, ``single_tensor``; see
             ``model_states.ADAM_PATHS``): decides the temporaries inside ``optimizer.step()``.
@@ -103,12 +105,14 @@ class PlanInputs:
                     "tensor parallelism runs under FSDP2 (fsdp_tp) or alone (tp), not under DeepSpeed or offload.",
                     "use +strategy=fsdp_tp strategy.tensor_parallel_size=K, or tensor_parallel_size=1.",
                 )
-            if not isinstance(self.model, GPTConfig):
+            if self.tp_shape is None:
+                name = self.profile.name
                 raise ConfigError(
                     "strategy.tensor_parallel_size",
                     self.tensor_parallel,
-                    "the planner plans TP for GPT-shaped presets (model=gpt_*/llama_*), whose heads, FFN and "
-                    "hidden size it reads; plan this model with tensor_parallel_size=1.",
+                    f"tensor parallelism has no plan for {name} (plans exist for our GPT presets and Hugging Face "
+                    f"{', '.join(TP_HF_ARCHITECTURES)} models, by module name), so the planner cannot say what it "
+                    "would split; plan this model with tensor_parallel_size=1 (FSDP2 / ZeRO-3 shard any model).",
                 )
 
     @property
@@ -134,6 +138,11 @@ class PlanInputs:
             return self.model
         loss = self.loss if self.loss is not None and self.loss.kind != "standard" else None
         return gpt_profile(self.model, loss)
+
+    @property
+    def tp_shape(self) -> TPShape | None:
+        """What tensor parallelism splits of the model (``None``: no plan for it)."""
+        return self.profile.tp_shape
 
     @property
     def compute_bytes(self) -> int:
@@ -297,9 +306,9 @@ def estimate_plan(
     fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
     acts = _activations(inputs, m, fraction)
     if tp > 1:
-        assert isinstance(inputs.model, GPTConfig)  # PlanInputs refuses TP for other models
+        assert inputs.tp_shape is not None  # PlanInputs refuses TP for models without a plan
         acts = tp_activations(
-            acts, inputs.model, inputs.micro_batch, inputs.seq_len, tp, inputs.sequence_parallel, inputs.attention
+            acts, inputs.tp_shape, inputs.micro_batch, inputs.seq_len, tp, inputs.sequence_parallel, inputs.attention
         )
     hw_flops = model_flops + int(round(fraction * recompute_flops))
     tokens = inputs.micro_batch * inputs.seq_len
@@ -321,10 +330,10 @@ def estimate_plan(
         device_is_host=device_is_host,
     )
     if tp > 1:
-        assert isinstance(inputs.model, GPTConfig)
+        assert inputs.tp_shape is not None
         bw = bandwidths or Bandwidths()
         comm = tp_comm(
-            inputs.model,
+            inputs.tp_shape,
             inputs.micro_batch,
             inputs.seq_len,
             inputs.accumulate,

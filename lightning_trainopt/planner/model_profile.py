@@ -12,7 +12,7 @@ Two producers make it, and the planner reads nothing else about the model:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -25,6 +25,7 @@ from lightning_trainopt.planner.activations import ActivationPolicy, estimate_tr
 from lightning_trainopt.planner.fsdp_units import FSDPUnits, gpt_fsdp_units
 from lightning_trainopt.planner.precision_plan import LossPlan
 from lightning_trainopt.planner.terms import MemoryEstimate
+from lightning_trainopt.planner.tp_shape import TPShape
 from lightning_trainopt.planner.zero3_gather import gpt_module_trace
 
 __all__ = [
@@ -65,6 +66,9 @@ class ModelProfile:
         tied_numel: elements of parameters used by more than one module (a tied embedding), counted once.
         measured: activations and FLOPs are measured on the module (fake tensors, flop counter), not derived.
         block_class: class name of the repeated block (``Block``, ``LlamaDecoderLayer``; empty when none).
+        tp_shape: what a tensor-parallel plan splits (``None``: the model has no plan, the planner refuses TP).
+        tp_split: per parameter of ``param_groups``, whether TP splits it; ``None``: the matrices (the first group)
+            split, the vectors whole (our GPT, Llama without biases).
 
     Example::
 
@@ -83,6 +87,8 @@ class ModelProfile:
     tied_numel: int = 0
     measured: bool = False
     block_class: str = ""
+    tp_shape: TPShape | None = None
+    tp_split: tuple[tuple[bool, ...], ...] | None = None
 
     @property
     def n_params(self) -> int:
@@ -133,6 +139,7 @@ def gpt_profile(cfg: GPTConfig, loss: LossPlan | None = None) -> ModelProfile:
         max_seq_len=cfg.max_seq_len,
         tied_numel=cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0,
         block_class="Block",
+        tp_shape=TPShape("gpt", cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.ffn_hidden, cfg.vocab_size, cfg.n_layers),
     )
 
 
@@ -158,6 +165,19 @@ def decay_groups(params: Iterable[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
             continue
         seen.add(id(p))
         (decay if _ndim(p) >= 2 else no_decay).append(_numel(p))
+    return tuple(tuple(g) for g in (decay, no_decay) if g)
+
+
+def _decay_split(params: Iterable[torch.Tensor], sharded: Collection[int]) -> tuple[tuple[bool, ...], ...]:
+    """Whether each parameter of :func:`decay_groups` (same order) is in ``sharded`` (ids of what TP splits)."""
+    seen: set[int] = set()
+    decay: list[bool] = []
+    no_decay: list[bool] = []
+    for p in params:
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if _ndim(p) >= 2 else no_decay).append(id(p) in sharded)
     return tuple(tuple(g) for g in (decay, no_decay) if g)
 
 
@@ -245,6 +265,8 @@ def module_profile(
     block_classes: Sequence[str] = (),
     trace: ModuleTrace | None = None,
     max_seq_len: int | None = None,
+    tp_shape: TPShape | None = None,
+    tp_sharded: Collection[int] = (),
 ) -> ModelProfile:
     """The profile of any module, read from its parameters (built on the meta device, only shapes are read).
 
@@ -259,6 +281,8 @@ def module_profile(
         trace: the forward order of parameter-owning modules (:func:`forward_trace`); ``None``: each parameter its
             own module, in registration order.
         max_seq_len: longest sequence the model takes, when it says.
+        tp_shape: what the model's tensor-parallel plan splits (``parallel.tp.tp_shape``); ``None``: no plan.
+        tp_sharded: ``id`` of each parameter that plan splits (``parallel.tp.tp_sharded_parameters``).
     """
     index = _param_index(module)
     if trace is None:
@@ -276,4 +300,6 @@ def module_profile(
         tied_numel=_tied_numel(module),
         measured=True,
         block_class=found,
+        tp_shape=tp_shape,
+        tp_split=_decay_split(module.parameters(), set(tp_sharded)) if tp_shape is not None else None,
     )

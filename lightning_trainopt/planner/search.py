@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
 from lightning_trainopt.planner.estimate import PlanEstimate, PlanInputs
 from lightning_trainopt.planner.model_states import StrategyLayout
@@ -298,7 +297,8 @@ def _dims_apply(base: PlanInputs, layout: StrategyLayout, tp: int, replicate: in
         return False
     if base.world_size % (tp * replicate) or tp > base.devices:
         return False
-    if tp > 1 and not (isinstance(base.model, GPTConfig) and not tp_refusal(base.model, tp, base.seq_len, True)):
+    shape = base.tp_shape
+    if tp > 1 and (shape is None or tp_refusal(shape, tp, base.seq_len, True)):
         return False
     return base.world_size // tp > 1 or replicate == 1
 

@@ -34,6 +34,10 @@ from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.fsdp_units import FSDPUnits
 from lightning_trainopt.planner.model_profile import ModelProfile
 from lightning_trainopt.planner.terms import MemoryEstimate
+from lightning_trainopt.planner.tp_shape import TPShape, tp_divisibility_errors
+
+#: What the TP formulas read of a model: our preset's shape, or the :class:`TPShape` of a model with a plan.
+Shape = GPTConfig | TPShape
 
 __all__ = [
     "TPComm",
@@ -46,29 +50,35 @@ __all__ = [
 ]
 
 
-def tp_refusal(model: GPTConfig, tp: int, seq_len: int, sequence_parallel: bool) -> str:
-    """Why TP ``tp`` cannot split ``model`` (the sizes a Megatron-style plan divides), or ``""`` when it can."""
+def tp_refusal(model: Shape, tp: int, seq_len: int, sequence_parallel: bool) -> str:
+    """Why TP ``tp`` cannot split ``model`` (the sizes a Megatron-style plan divides), or ``""`` when it can: the
+    app's pre-flight check (:func:`~lightning_trainopt.planner.tp_shape.tp_divisibility_errors`)."""
     if tp == 1:
         return ""
-    sizes = {
-        "model.n_heads": model.n_heads,
-        "model.n_kv_heads": model.kv_heads,
-        "model.ffn_hidden": model.ffn_hidden,
-        "model.vocab_size": model.vocab_size,
-    }
-    if sequence_parallel:
-        sizes["data.seq_len"] = seq_len
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    sizes = {"heads": model.n_heads, "kv_heads": model.kv_heads, "ffn": model.ffn_hidden, "vocab": model.vocab_size}
+    bad = tp_divisibility_errors(sizes, tp, seq_len if sequence_parallel else None)
     return f"{', '.join(bad)} not divisible by tensor_parallel_size={tp}" if bad else ""
 
 
-def tp_param_groups(groups: tuple[tuple[int, ...], ...], tp: int) -> tuple[tuple[int, ...], ...]:
-    """Elements per rank of each parameter under TP ``tp``: the matrices (the first, decayed, group) split, the
-    vectors of the other groups (norm weights) whole on every rank."""
+def tp_param_groups(
+    groups: tuple[tuple[int, ...], ...], tp: int, split: tuple[tuple[bool, ...], ...] | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Elements per rank of each parameter under TP ``tp``.
+
+    Args:
+        groups: element counts per optimizer group (``ModelProfile.param_groups``).
+        tp: tensor-parallel size.
+        split: per parameter, whether the plan splits it (``ModelProfile.tp_split``); ``None``: the matrices (the
+            first, decayed, group) split, the vectors of the other groups (norm weights) whole on every rank.
+    """
     if tp == 1:
         return groups
-    first, *rest = groups
-    return (tuple(-(-k // tp) for k in first), *rest)
+    if split is None:
+        first, *rest = groups
+        return (tuple(-(-k // tp) for k in first), *rest)
+    return tuple(
+        tuple(-(-k // tp) if s else k for k, s in zip(g, f, strict=True)) for g, f in zip(groups, split, strict=True)
+    )
 
 
 def tp_profile(profile: ModelProfile, tp: int) -> ModelProfile:
@@ -83,7 +93,7 @@ def tp_profile(profile: ModelProfile, tp: int) -> ModelProfile:
     trace = tuple(tuple((i, -(-k // tp)) for i, k in step) for step in profile.module_trace)
     return replace(
         profile,
-        param_groups=tp_param_groups(profile.param_groups, tp),
+        param_groups=tp_param_groups(profile.param_groups, tp, profile.tp_split),
         fsdp_units=split,
         module_trace=trace,
         tied_numel=-(-profile.tied_numel // tp),
@@ -110,7 +120,7 @@ def korthikanti_layer_bytes(
 
 
 def tp_activations(
-    acts: MemoryEstimate, model: GPTConfig, micro_batch: int, seq_len: int, tp: int, sp: bool, attention: str
+    acts: MemoryEstimate, model: Shape, micro_batch: int, seq_len: int, tp: int, sp: bool, attention: str
 ) -> MemoryEstimate:
     """The activations of one micro-batch on one rank of a TP group, from the planner's whole-model breakdown."""
     if tp == 1:
@@ -130,7 +140,8 @@ def tp_activations(
             f, why = 1.0, ""
         elif "checkpointed block inputs" in label:
             f, why = (split, f" / {tp} (SP)") if sp else (1.0, "")
-        elif "full blocks" in label or "recomputed block" in label:
+        elif "full blocks" in label or "recomputed block" in label or "measured" in label:
+            # a measured profile's saved tensors are mostly its blocks'; its head's share is split either way
             f, why = ratio, f" x {ratio:.3g} (Korthikanti, TP {tp}{' + SP' if sp else ''})"
         elif t.category == "activations" or "logits" in label or "chunk" in label:
             # head and loss (vocabulary-parallel), autocast weight copies (split weights)
@@ -160,7 +171,7 @@ class TPComm:
 
 
 def tp_comm(
-    model: GPTConfig,
+    model: Shape,
     micro_batch: int,
     seq_len: int,
     accumulate: int,

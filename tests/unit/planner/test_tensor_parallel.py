@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.hardware import HARDWARE, hardware_spec
@@ -116,8 +117,8 @@ def test_tp_refusals_name_the_key():
         PlanInputs(LLAMA_7B, layout=FSDP, devices=6, tensor_parallel=4)
     with pytest.raises(ConfigError, match="strategy.tensor_parallel_size=0"):
         PlanInputs(LLAMA_7B, layout=FSDP, devices=8, tensor_parallel=0)
-    assert tp_refusal(GQA, 16, 2048, True) == "model.n_kv_heads=8 not divisible by tensor_parallel_size=16"
-    assert "data.seq_len=2047" in tp_refusal(GQA, 8, 2047, True)
+    assert tp_refusal(GQA, 16, 2048, True) == "key/value heads 8 not divisible by tensor_parallel_size=16"
+    assert "sequence length 2047" in tp_refusal(GQA, 8, 2047, True)
     assert tp_refusal(GQA, 8, 2047, False) == ""
 
 
@@ -131,3 +132,52 @@ def test_hardware_presets_carry_nvlink_and_network_with_their_sources_and_overri
     assert (spec.nvlink_bytes_per_s, spec.network_bytes_per_s) == (300e9, 25e9)
     with pytest.raises(ConfigError, match="hardware.nvlink_gb_per_s"):
         hardware_spec("h100_sxm", nvlink_gb_per_s=-1)
+
+
+def _stub_profile(module, name, **tp):
+    from lightning_trainopt.planner import MemoryEstimate, module_profile
+
+    return module_profile(module, name, lambda *a: MemoryEstimate.of([]), lambda b, s: (6 * b * s, 0), **tp)
+
+
+def test_a_module_without_a_tp_plan_is_refused_with_the_reason_and_plans_without_tp():
+    from torch import nn
+
+    profile = _stub_profile(nn.Sequential(nn.Linear(8, 8)), "Sequential")
+    with pytest.raises(ConfigError, match="strategy.tensor_parallel_size") as err:
+        PlanInputs(profile, layout=FSDP, devices=2, tensor_parallel=2)
+    assert "no plan for Sequential" in str(err.value)
+    assert "llama, mistral, qwen2" in str(err.value)
+    assert PlanInputs(profile, layout=FSDP, devices=2).tensor_parallel == 1
+
+
+def test_a_hf_profile_splits_the_flagged_parameters_and_the_search_tries_only_the_sizes_it_divides():
+    from torch import nn
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightning_trainopt.parallel.tp import tp_shape, tp_sharded_parameters
+    from lightning_trainopt.planner import OPTIMIZER_STATES, SearchSpace, search_plans
+    from lightning_trainopt.planner.tensor_parallel import tp_profile
+
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model: nn.Module = Qwen2ForCausalLM(cfg)
+    shape = tp_shape(model)
+    assert shape is not None
+    assert (shape.n_heads, shape.kv_heads, shape.ffn_hidden, shape.n_layers) == (4, 2, 48, 2)
+    profile = _stub_profile(model, "qwen2", tp_shape=shape, tp_sharded=tp_sharded_parameters(model))
+    # Column-parallel q/k/v split their biases (32 + 16 + 16 per layer); norms (3 x 32 + 32) stay whole.
+    biases = 2 * (32 + 16 + 16)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert tp_profile(profile, 2).n_params == matrices // 2 + biases // 2 + (2 * 2 * 32 + 32)
+    base = PlanInputs(profile, "32-true", FSDP, micro_batch=2, seq_len=16, devices=8)
+    space = SearchSpace(
+        {"fp32": "32-true"}, {"fsdp": FSDP}, {"none": ActivationPolicy()}, {"adamw": OPTIMIZER_STATES["adamw"]},
+        micro_batches=(2,), tensor_parallel=(1, 2, 4),
+    )  # fmt: skip
+    ranked, _ = search_plans(base, space, lambda i: estimate_plan(i, H100.memory_bytes, H100.peak("fp32"), 1.0))
+    # 2 key/value heads: TP 4 is not tried, as train.py's pre-flight refuses it.
+    assert sorted({c.estimate.inputs.tensor_parallel for c in ranked}) == [1, 2]
