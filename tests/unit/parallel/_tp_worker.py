@@ -15,8 +15,11 @@ for tests/unit/parallel/test_tp.py:
   by TP 2 x FSDP2 2 and materialised piece by piece, against a whole build from the same seed (every weight, whole
   again through ``full_tensor``); and a ``save_pretrained`` Llama read slice by slice against ``from_pretrained``
   (weights, logits, and the elements this rank read);
-* ``chunked``: ``loss=chunked_ce`` on the vocabulary-sharded head (the ``chunked_ce`` cell of ``tp`` and
-  ``fsdp_tp``) against the loss-parallel cross-entropy: the loss and each gradient;
+* ``hf_split``: tiny Hugging Face Llama, Mistral and Qwen2 split by TP 2: their configs and the elements this rank
+  holds (the planner's per-rank count is checked against them);
+* ``chunked``, ``chunked_hf``: ``loss=chunked_ce`` on the vocabulary-sharded head (the ``chunked_ce`` cell of ``tp``
+  and ``fsdp_tp``) of our GPT and of a tiny Hugging Face Llama against the loss-parallel cross-entropy: the loss and
+  each gradient;
 * ``fit``: a Lightning fit with ``TrainOptTPStrategy`` (built on the meta device): ParallelDims, the sampler's
   sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to.
 
@@ -151,28 +154,55 @@ def raw(kind: str, dims: ParallelDims, rank: int) -> dict[str, Any]:
     }
 
 
-def chunked(dims: ParallelDims) -> dict[str, Any]:
+def hf_split(dims: ParallelDims) -> dict[str, Any]:
+    """Tiny Llama (GQA, untied head), Mistral (tied) and Qwen2 (q/k/v biases) split by TP 2: each config and the
+    parameter elements this rank holds, against which the planner's per-rank count is checked (test_tp.py)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    small = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    small.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    builds = {
+        "llama": _hf_llama,
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**small, tie_word_embeddings=True)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**small, tie_word_embeddings=False)),
+    }
+    got = {}
+    for name, build in builds.items():
+        model = build()
+        apply_tensor_parallel(model, mesh["tp"])
+        got[name] = {"config": json.loads(model.config.to_json_string()), "local_elements": _elements(model)}
+    return got
+
+
+def chunked(dims: ParallelDims, kind: str = "gpt") -> dict[str, Any]:
     """``loss=chunked_ce`` on the vocabulary-sharded head against the loss-parallel cross-entropy of the same model:
     the loss and every gradient (this rank's shard), 5 tokens per chunk (ragged: 2 x 16 tokens), some targets ignored,
-    fully_shard-ed over the data-parallel ranks on the 2 x 2 mesh."""
+    fully_shard-ed over the data-parallel ranks on the 2 x 2 mesh. ``kind="hf"``: a tiny Hugging Face Llama, its loss
+    computed where its forward computes the logits, as ``models/hf.py`` runs ``loss=chunked_ce``."""
     mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    model = GPT(SHAPE)
+    model = GPT(SHAPE) if kind == "gpt" else _hf_llama()
     apply_tensor_parallel(model, mesh["tp"])
     if dims.dp > 1:
-        apply_fully_shard(Holder(model), ["Block"], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
+        block = "Block" if kind == "gpt" else "LlamaDecoderLayer"
+        apply_fully_shard(Holder(model), [block], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
     y = torch.roll(x, -1, 1)
     y[0, :3] = -100  # padding that does not count
+
+    def forward() -> Any:
+        return model(x) if kind == "gpt" else model(input_ids=x, use_cache=False).logits
+
     with loss_parallel():
-        logits = model(x)
+        logits = forward()
         standard = nn.functional.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1), ignore_index=-100)
         standard = standard.full_tensor() if isinstance(standard, DTensor) else standard
         standard.backward()
     grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     model.zero_grad()
     with loss_parallel(), head_returns_loss(model.lm_head, ChunkedLMHeadLoss(chunk_tokens=5), y):
-        loss = model(x)
+        loss = forward()
         loss.backward()
     plain = not isinstance(loss, DTensor)
     diffs = {n: float((p.grad.to_local() - grads[n]).abs().max()) for n, p in model.named_parameters()}
@@ -372,9 +402,11 @@ def main(out: Path) -> None:
     dims = ParallelDims.from_world(world, tp=2)
     seen: dict[str, Any] = {"rank": rank, "raw": {kind: raw(kind, dims, rank) for kind in ("gpt", "hf")}}
     seen["walk"] = walk(dims)
+    seen["hf_split"] = hf_split(dims)
     if world == 4:
         seen["meta"] = meta(dims, rank, out)
     seen["chunked"] = chunked(dims)
+    seen["chunked_hf"] = chunked(dims, "hf")
     seen["fit"] = fit(dims)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 

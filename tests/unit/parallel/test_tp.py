@@ -265,17 +265,57 @@ def test_a_rank_reads_its_rows_and_columns_of_a_saved_tensor(tmp_path):
 # The chunked loss over the vocabulary shards (TP 2; FSDP2 over the 2 data-parallel ranks too) gives the loss-parallel
 # cross-entropy's loss and gradients to fp32 rounding (measured: loss within 1e-6, gradients within 3e-8 of a largest
 # gradient of about 0.2); a missing all-reduce of the hidden states' gradient or of the log-sum-exp is off by far more.
+# A Hugging Face Llama (untied head: 21 parameters) computes the chunked loss inside its own forward, where its head
+# is called, as models/hf.py runs loss=chunked_ce.
 @pytest.mark.slow
-def test_chunked_ce_on_the_vocabulary_sharded_head_matches_the_loss_parallel_head(ranks):
+@pytest.mark.parametrize(("key", "n_params"), [("chunked", 20), ("chunked_hf", 21)])
+def test_chunked_ce_on_the_vocabulary_sharded_head_matches_the_loss_parallel_head(ranks, key, n_params):
     from lightning_trainopt.parallel.compat_table import TABLE
 
     assert TABLE["chunked_ce"]["tp"] is None
     assert TABLE["chunked_ce"]["fsdp_tp"] is None
     for seen in ranks:
-        got = seen["chunked"]
+        got = seen[key]
         assert got["plain"]  # a plain scalar, the same on each rank of the group, through the head's output hook
         assert got["chunked"] == pytest.approx(got["standard"], rel=1e-6)
-        assert len(got["grad_diffs"]) == 20
+        assert len(got["grad_diffs"]) == n_params
         assert got["scale"] > 0.05
         for name, diff in got["grad_diffs"].items():
             assert diff <= 1e-6, name
+
+
+# The planner's per-rank parameters of a Hugging Face model under TP 2 (plan.py model=hf model.config=...: the model
+# built on the meta device, what the plan splits read from parallel/tp.py's module names) against the elements a rank
+# of the real TP model holds: GQA key/value projections, a tied (Mistral) and an untied head, Qwen2's q/k/v biases
+# (split by the column-parallel layers) and the norm vectors (whole on every rank).
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_planned_per_rank_parameters_of_a_hf_model_under_tp_equal_the_real_split(ranks, arch, tmp_path):
+    from lightning_trainopt.config.plan_inputs import build_plan_inputs
+    from lightning_trainopt.planner import estimate_plan
+    from lightning_trainopt.planner.tensor_parallel import tp_profile
+
+    got = ranks[0]["hf_split"][arch]
+    (tmp_path / "config.json").write_text(json.dumps(got["config"]))
+    cfg = compose_config(
+        [
+            "model=hf",
+            f"model.config={tmp_path}",
+            "data=synthetic",
+            "data.vocab_size=64",
+            "data.seq_len=16",
+            "+strategy=tp",
+            "trainer.devices=2",
+            "precision=fp32",
+        ]
+    )
+    inputs = build_plan_inputs(cfg)
+    assert inputs.tensor_parallel == 2
+    assert inputs.profile.tp_shape is not None
+    assert inputs.profile.tp_shape.architecture == arch
+    whole = inputs.profile.n_params
+    assert tp_profile(inputs.profile, 2).n_params == got["local_elements"] < whole
+    planned = estimate_plan(inputs, None, None, None).memory.per_device()["params"]
+    assert planned == 4 * got["local_elements"]  # fp32: 4 B per element this rank holds
+    for seen in ranks[1:]:
+        assert seen["hf_split"][arch]["local_elements"] == got["local_elements"]
