@@ -7,9 +7,10 @@ from dataclasses import dataclass, field, replace
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
+from lightning_trainopt.planner.dp_comm import dp_comm
 from lightning_trainopt.planner.model_profile import ModelProfile, gpt_param_groups, gpt_profile
 from lightning_trainopt.planner.model_states import StrategyLayout, estimate_model_states
-from lightning_trainopt.planner.offload_time import Bandwidths, estimate_step_overhead
+from lightning_trainopt.planner.offload_time import Bandwidths, StepOverhead, estimate_step_overhead
 from lightning_trainopt.planner.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, fp8_transient_term, te_saved_delta
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
@@ -354,6 +355,8 @@ def estimate_plan(
                 serial={**overhead.serial, item: comm.seconds},
                 formulas={**overhead.formulas, item: comm.formula},
             )
+    if not device_is_host:
+        overhead = _charge_dp_comm(overhead, inputs, m.n_params, bandwidths or Bandwidths())
     speed = estimate_speed(
         per_token,
         # A TP group computes its replica's tokens together: each rank does 1/tp of their FLOPs.
@@ -381,6 +384,35 @@ def estimate_plan(
         headroom_fraction,
         device_is_host,
     )
+
+
+def _charge_dp_comm(overhead: StepOverhead, inputs: PlanInputs, n_params: int, bw: Bandwidths) -> StepOverhead:
+    """``overhead`` with the data-parallel collectives of one step (``dp_comm``): beside compute or waited for."""
+    # Weights travel as held: fp32 under autocast and in fp32, half for -true and in DeepSpeed's half engine.
+    w = 4 if inputs.autocast or inputs.compute_bytes == 4 else 2
+    comms = dp_comm(
+        inputs.layout,
+        n_params,
+        w,
+        w,
+        inputs.data_parallel_size,
+        inputs.replicate,
+        inputs.tensor_parallel,
+        inputs.devices,
+        inputs.accumulate,
+        bw.nvlink_bytes_per_s,
+        bw.network_bytes_per_s,
+    )
+    for c in comms:
+        if c.seconds is None:
+            overhead = replace(overhead, not_charged=(*overhead.not_charged, f"{c.label}: {c.formula}"))
+            continue
+        formulas = {**overhead.formulas, c.label: c.formula}
+        if c.overlapped:
+            overhead = replace(overhead, overlapped={**overhead.overlapped, c.label: c.seconds}, formulas=formulas)
+        else:
+            overhead = replace(overhead, serial={**overhead.serial, c.label: c.seconds}, formulas=formulas)
+    return overhead
 
 
 def _activations(inputs: PlanInputs, m: ModelProfile, checkpointed: float) -> MemoryEstimate:

@@ -244,8 +244,8 @@ def _step_line(e: PlanEstimate, hw: HardwareSpec) -> str:
     if o is None or s.compute_s is None or not (o.overlapped or o.serial or o.not_charged):
         return ""
     lines = [
-        f"  step = max(compute {s.compute_s:.3g} s, copies beside compute {o.overlapped_s:.3g} s) + waits "
-        f"{o.serial_s:.3g} s = {s.step_time_s:.3g} s"
+        f"  step = max(compute {s.compute_s:.3g} s, copies and collectives beside compute {o.overlapped_s:.3g} s) "
+        f"+ waits {o.serial_s:.3g} s = {s.step_time_s:.3g} s"
     ]
     for name, seconds in o.overlapped.items():
         lines.append(f"    beside compute, {name}: {seconds:.3g} s = {o.formulas.get(name, '')}")
