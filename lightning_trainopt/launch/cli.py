@@ -28,7 +28,13 @@ from lightning_trainopt._compat.hydra_internals import translate_run_errors
 from lightning_trainopt.checkpoint.run_lock import RunDirLock, is_launching_rank
 from lightning_trainopt.config.tree import CONF_DIR
 from lightning_trainopt.exceptions import RunDirLockedError, TrainOptError, cause_of_type
-from lightning_trainopt.launch.launcher import detect_launch, die_with_parent, external_launch_argv, mark_launcher
+from lightning_trainopt.launch.launcher import (
+    adopt_submitit_local_ranks,
+    detect_launch,
+    die_with_parent,
+    external_launch_argv,
+    mark_launcher,
+)
 from lightning_trainopt.launch.multirun import (
     apply_child_command,
     child_errors,
@@ -215,6 +221,7 @@ def _guarded(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], None]:
     """
 
     def run(cfg: DictConfig) -> None:
+        adopt_submitit_local_ranks()  # a task of a submitit_local job of several: one rank of it
         in_sweep = _in_multirun()
         env = snapshot_env()
         lock = _job_lock()

@@ -25,7 +25,7 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from lightning_trainopt.exceptions import ConfigError
 __all__ = [
     "LAUNCHER_PID_ENV",
     "Launch",
+    "adopt_submitit_local_ranks",
     "check_launch",
     "detect_launch",
     "die_with_parent",
@@ -212,7 +213,7 @@ def check_launch(
         check_slurm(env, devices, per_node, trainer_cfg.get("num_nodes", 1))
         return
     if env.get("SUBMITIT_LOCAL_JOB_ID") is not None:
-        _check_submitit_local(trainer_cfg)
+        _check_submitit_local(trainer_cfg, env)
     if not launch.external or launch.local_world_size is None:
         return
     per_node = launch.local_world_size
@@ -236,19 +237,64 @@ def check_launch(
             )
 
 
-def _check_submitit_local(trainer_cfg: Mapping[str, Any]) -> None:
-    """A job of ``hydra/launcher=submitit_local`` trains on one device.
+def _check_submitit_local(trainer_cfg: Mapping[str, Any], env: Mapping[str, str]) -> None:
+    """A job of ``hydra/launcher=submitit_local`` has one task, one rank, per device of ``trainer.devices``.
 
-    Lightning starts a job's other ranks by re-running the command line, which in such a job is submitit's runner
-    (``python -m submitit.core._submit <folder>``), not ``train.py``: the ranks would fail with a usage error.
+    submitit's local executor starts ``hydra.launcher.tasks_per_node`` tasks per job, each running the job
+    (:func:`adopt_submitit_local_ranks` makes them the ranks); Lightning cannot start a job's other ranks itself
+    there, since it would re-run the command line, which is submitit's runner (``python -m submitit.core._submit``),
+    not ``train.py``.
     """
     devices = trainer_cfg.get("devices", "auto")
     per_node = _devices_per_node(devices, str(trainer_cfg.get("accelerator", "auto")))
-    if per_node != 1 or trainer_cfg.get("num_nodes", 1) != 1:
+    tasks = int(env.get("SUBMITIT_LOCAL_NTASKS") or 1)
+    if trainer_cfg.get("num_nodes", 1) != 1:
+        raise ConfigError(
+            "trainer.num_nodes",
+            trainer_cfg.get("num_nodes"),
+            "hydra/launcher=submitit_local runs each job on this machine alone; use trainer.num_nodes=1, or "
+            "hydra/launcher=slurm for several nodes.",
+        )
+    if per_node != tasks:
         raise ConfigError(
             "trainer.devices",
             devices,
-            "a job of hydra/launcher=submitit_local runs as one process and Lightning cannot start its other ranks "
-            "there (it would re-run submitit's runner, not train.py); use trainer.devices=1 trainer.num_nodes=1, or "
-            "sweep several devices per job with python train.py -m (no launcher) or hydra/launcher=slurm.",
+            f"this job of hydra/launcher=submitit_local has {tasks} task(s) (hydra.launcher.tasks_per_node), one "
+            f"rank each, and Lightning cannot start more there (it would re-run submitit's runner, not train.py); "
+            f"set hydra.launcher.tasks_per_node={per_node or 'N'} to trainer.devices "
+            "(hydra.launcher.tasks_per_node='${trainer.devices}').",
         )
+
+
+def adopt_submitit_local_ranks(env: MutableMapping[str, str] | None = None) -> bool:
+    """In a task of a ``hydra/launcher=submitit_local`` job of several tasks, become one rank of the job.
+
+    submitit's local executor starts ``hydra.launcher.tasks_per_node`` processes per job on this machine and tells
+    each its place (``SUBMITIT_LOCAL_GLOBALID``, ``SUBMITIT_LOCAL_LOCALID``, ``SUBMITIT_LOCAL_NTASKS``), which
+    Lightning does not read. This gives the task the variables torchrun gives its ranks, so Lightning takes its
+    ``TorchElasticEnvironment`` (every rank started outside it, none to start) and :func:`detect_launch` the
+    ``torchrun`` mode. The rendezvous is ``127.0.0.1`` and a port derived from the job's id (the pid of submitit's
+    controller of the job, which all its tasks share and jobs running side by side do not):
+    ``10000 + pid % 20000``, below Linux's ephemeral range.
+
+    Returns:
+        whether the variables were set (``False`` outside such a job, with one task, or when torchrun's are there).
+    """
+    env = os.environ if env is None else env
+    job = env.get("SUBMITIT_LOCAL_JOB_ID")
+    tasks = env.get("SUBMITIT_LOCAL_NTASKS") or "1"
+    if job is None or not job.isdigit() or int(tasks) < 2 or env.get("TORCHELASTIC_RUN_ID"):
+        return False
+    rank = env.get("SUBMITIT_LOCAL_GLOBALID") or "0"
+    env.update(
+        RANK=rank,
+        LOCAL_RANK=env.get("SUBMITIT_LOCAL_LOCALID") or rank,
+        GROUP_RANK="0",
+        NODE_RANK="0",
+        WORLD_SIZE=tasks,
+        LOCAL_WORLD_SIZE=tasks,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(10000 + int(job) % 20000),
+        TORCHELASTIC_RUN_ID=f"submitit_local_{job}",
+    )
+    return True

@@ -133,8 +133,28 @@ def test_auto_resume_takes_lightnings_requeue_checkpoint_when_newer(tmp_path: Pa
     assert newest_resume_point(str(periodic), tmp_path) == str(periodic)
 
 
-def test_a_submitit_local_job_trains_on_one_device():
+def test_a_submitit_local_job_has_one_task_per_device():
     local = {"SUBMITIT_LOCAL_JOB_ID": "123"}
     check_launch({"accelerator": "cpu", "devices": 1}, env=local)
-    with pytest.raises(ConfigError, match=r"trainer.devices=2 is invalid: a job of hydra/launcher=submitit_local"):
+    with pytest.raises(ConfigError, match=r"trainer.devices=2 is invalid: this job of hydra/launcher=submitit_local "):
         check_launch(CPU2, env=local)
+    with pytest.raises(ConfigError, match=r"hydra.launcher.tasks_per_node=2"):
+        check_launch(CPU2, env={**local, "SUBMITIT_LOCAL_NTASKS": "1"})
+    with pytest.raises(ConfigError, match=r"trainer.num_nodes=2 is invalid"):
+        check_launch({**CPU2, "num_nodes": 2}, env={**local, "SUBMITIT_LOCAL_NTASKS": "2"})
+
+
+def test_a_task_of_a_submitit_local_job_of_two_becomes_one_rank_as_under_torchrun():
+    from lightning_trainopt.launch.launcher import adopt_submitit_local_ranks
+
+    env = {"SUBMITIT_LOCAL_JOB_ID": "23456", "SUBMITIT_LOCAL_NTASKS": "2"}
+    env |= {"SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1"}
+    assert adopt_submitit_local_ranks(env)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("1", "1", "2", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "13456")  # 10000 + 23456 % 20000
+    launch = detect_launch(env)
+    assert (launch.mode, launch.rank, launch.world_size) == ("torchrun", 1, 2)
+    check_launch(CPU2, env=env)  # trainer.devices = the job's tasks
+    one = {"SUBMITIT_LOCAL_JOB_ID": "23456", "SUBMITIT_LOCAL_NTASKS": "1"}
+    assert not adopt_submitit_local_ranks(one)
+    assert "RANK" not in one
