@@ -1,10 +1,10 @@
 """``plan.search=true``: enumerate configurations, drop those that do not fit, rank by dollars per token.
 
 Dollars follow the step time, which charges offload copies, CPU Adam, NVMe swaps and int8 compression
-(``offload_time``). Configurations that still cost the same (the time model does not see communication between
-devices or kernel efficiency) are ranked by memory margin, largest first: the one least likely to run out of
-memory; then by fewer moving parts. Within one configuration the micro-batch with the fewest dollars, then the
-largest (fewest accumulation steps), is its row.
+(``offload_time``), TP collectives and the data-parallel collectives that do not hide behind compute (``dp_comm``).
+Configurations that still cost the same (the time model does not see kernel efficiency) are ranked by memory
+margin, largest first: the one least likely to run out of memory; then by fewer moving parts. Within one
+configuration the micro-batch with the fewest dollars, then the largest (fewest accumulation steps), is its row.
 """
 
 from __future__ import annotations
