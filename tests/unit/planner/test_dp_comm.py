@@ -91,8 +91,8 @@ def test_overlapped_collectives_cost_only_what_exceeds_compute_and_unknown_links
 
 def test_mpt_70b_on_64_h100_reaches_the_published_throughput_once_the_network_hides_behind_compute():
     """llm-foundry MPT-70B, 64 H100, 42.57% MFU, 1,039 tokens/s/GPU (../shared/ANCHORS.md): FSDP over all 64 ranks
-    sends ~3 x 70B half elements per micro-batch over the network (8.3 s at 50 GB/s). At 1 x 2048 tokens per
-    micro-batch the network dominates; with enough tokens per micro-batch it hides and the published figure holds."""
+    sends 3 x 63/64 x 65B half elements per micro-batch over the network (7.7 s at 50 GB/s). At 1 x 2048 tokens per
+    micro-batch (2 s of compute) the network dominates; from 4 (7.9 s) it hides and the published figure holds."""
     mpt = GPTConfig(
         name="mpt_70b", vocab_size=50368, n_layers=80, d_model=8192, n_heads=64, ffn_hidden=21845, max_seq_len=2048
     )
@@ -106,6 +106,6 @@ def test_mpt_70b_on_64_h100_reaches_the_published_throughput_once_the_network_hi
     exposed, inputs = tps(1)
     flops_only = mfu * H100.peak("bf16") / model_flops_per_token(inputs)
     assert exposed < flops_only / 3
-    hidden, _ = tps(8)
+    hidden, _ = tps(4)
     assert hidden == pytest.approx(flops_only)
     assert hidden == pytest.approx(1039.0, rel=0.05)
