@@ -1,5 +1,10 @@
 """Tensor and sequence parallelism in the planner: per-device model states, activations and TP communication.
 
+For any model with a TP plan (``ModelProfile.tp_shape``: our GPT presets, Hugging Face Llama, Mistral and Qwen2),
+whose split parameters ``ModelProfile.tp_split`` names (read from ``parallel/tp.py``'s module names on the meta
+model); the sizes TP must divide are checked by :func:`~lightning_trainopt.planner.tp_shape.tp_divisibility_errors`,
+the app's pre-flight check.
+
 Megatron-style TP (column-parallel q/k/v and gate/up, row-parallel o/down, vocabulary-parallel head and loss)
 splits every weight matrix over the ``t`` ranks of a TP group; norm vectors stay whole on each of them. The
 data-parallel sharding (ZeRO/FSDP2) then divides what is left by the ranks of one shard group: all data-parallel
