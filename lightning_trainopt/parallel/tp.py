@@ -189,6 +189,7 @@ def apply_tensor_parallel(
     else:
         top, block_plan = _replicated_plans(names, colwise, rowwise)
     parallelize_module(model, tp_mesh, top)
+    model.get_submodule(embed).register_forward_hook(_settled_output)
     layers: Any = model.get_submodule(blocks)  # an nn.ModuleList
     for layer in layers:
         parallelize_module(layer, tp_mesh, block_plan)
@@ -296,6 +297,21 @@ def check_float8_sequence_parallel(tp_mesh: Any) -> None:
         f"{backend} backend has no float8 type (only NCCL can all-gather float8: GPUs).",
         "set strategy.sequence_parallel=false (FP8 tensor parallelism without float8 collectives), or run on GPUs.",
     )
+
+
+def _settled_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output with its collective finished, as a tensor (or DTensor) with storage of its own.
+
+    RowwiseParallel reduces the embedding's partial sums asynchronously, so its output holds a pending collective
+    (torch's ``AsyncCollectiveTensor``, as the DTensor's local tensor with sequence parallelism, as the tensor itself
+    without). A compiled block traced with that wrapper as its input records it as such, and fails when the same
+    block is later called with a plain tensor (the next block, or a forward without grad, which recompiles):
+    AOTAutograd's runtime wrapper reads the wrapper's ``elem`` (``AttributeError: 'Tensor' object has no attribute
+    'elem'``, torch 2.13, at the first validation; ``'_local_tensor'`` without sequence parallelism). With Inductor
+    a wrapper nested in a DTensor is also never waited for (pytorch/pytorch#180614). The copy costs one
+    ``(batch, seq / tp, d_model)`` activation per step; the first block waits for the collective anyway.
+    """
+    return output.clone()
 
 
 def _tied(model: nn.Module, embed: str, head: str) -> bool:

@@ -202,6 +202,9 @@ def _technique_plan(technique: str) -> RewritePlan:
         # Without sequence parallelism no float8 tensor crosses a collective: it runs on gloo.
         "fp8": RewritePlan(precision=FP8, emulate_fp8=True, sequence_parallel=False),
         "int8": RewritePlan(saved_tensors=Int8Compressor(min_numel=1)),
+        # aot_eager: Dynamo and AOTAutograd's DTensor handling (where TP once failed) without Inductor's code
+        # generation, which is slow on 4 processes sharing 2 cores.
+        "compile": RewritePlan(compile=True, compile_kwargs={"backend": "aot_eager"}),
         "keep_fp32": RewritePlan(
             precision=PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=("RMSNorm",))
         ),
