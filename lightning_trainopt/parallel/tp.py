@@ -13,7 +13,10 @@ Llama-family attention reshapes with ``-1`` heads and needs nothing.
 
 An architecture without a plan is refused (:data:`ARCHITECTURES` lists those with one). FP8: with torchao's float8
 layers converted first (step 1 of the ordered rewrite), the plans use torchao's ``Float8ColwiseParallel`` /
-``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput`` for the blocks, as torchtitan does.
+``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput`` for the blocks, as torchtitan does. With sequence
+parallelism those all-gather float8 activations, which only NCCL can; ``sequence_parallel=False`` (Megatron's
+original TP: replicated residual stream and norms, row-parallel outputs all-reduced in high precision) keeps every
+float8 tensor out of the collectives, so FP8 tensor parallelism runs on gloo too.
 """
 
 from __future__ import annotations
