@@ -282,12 +282,36 @@ def walk(dims: ParallelDims) -> dict[str, Any]:
                     got[cell]["n_compressed"] = plan.saved_tensors.n_compressed
             except Exception as err:  # recorded per cell, so one failure names its cell
                 got[cell] = {"error": f"{type(err).__name__}: {err}"}
+    for kind in ("gpt", "hf"):
+        got[f"no_sequence_parallel_{kind}"] = _no_sequence_parallel(kind, mesh["tp"], batch)
     got["fp8_sequence_parallel"] = _refusal(
         lambda: apply_rewrites(
             Holder(GPT(SHAPE)), replace(_technique_plan("fp8"), sequence_parallel=True), tp_mesh=mesh["tp"]
         )
     )
     return got
+
+
+def _no_sequence_parallel(kind: str, tp_mesh: Any, batch: torch.Tensor) -> dict[str, Any]:
+    """TP without sequence parallelism (fp32; Hugging Face's Llama with tied embeddings) against the whole model."""
+    torch.manual_seed(0)
+    whole = GPT(SHAPE) if kind == "gpt" else _hf_llama(tied=True)
+    model = copy.deepcopy(whole)
+    report = apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
+    want = _loss(kind, whole, batch)
+    want.backward()
+    with loss_parallel():
+        loss = _loss(kind, model, batch)
+        loss.backward()
+    error = gradient_relative_error([p.grad for p in whole.parameters()], [_whole(p.grad) for p in model.parameters()])
+    norms = [n for n, p in model.named_parameters() if p.dim() == 1]
+    return {
+        "loss": float(_whole(loss)),
+        "want": float(want),
+        "grad_error": error,
+        "sequence_parallel": report.sequence_parallel,
+        "norms_plain": all(not isinstance(p, DTensor) for n, p in model.named_parameters() if n in norms),
+    }
 
 
 def _refusal(run: Any) -> str:

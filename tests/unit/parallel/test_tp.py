@@ -245,6 +245,17 @@ def test_fp8_under_tp_runs_torchaos_float8_matmuls_on_the_shards_and_matches_the
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_tp_without_sequence_parallelism_matches_a_whole_model(ranks, kind):
+    for seen in ranks:
+        got = seen["walk"][f"no_sequence_parallel_{kind}"]
+        assert not got["sequence_parallel"]
+        assert got["norms_plain"]  # the norms are replicated plain parameters, not sequence-parallel
+        assert got["loss"] == pytest.approx(got["want"], rel=1e-5)
+        assert got["grad_error"] < 1e-5
+
+
+@pytest.mark.slow
 def test_fp8_with_sequence_parallelism_is_refused_on_gloo_naming_the_key(ranks):
     for seen in ranks:
         message = seen["walk"]["fp8_sequence_parallel"]
