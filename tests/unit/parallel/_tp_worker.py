@@ -254,7 +254,11 @@ def walk(dims: ParallelDims) -> dict[str, Any]:
                 plan = _technique_plan(technique)
                 if technique == "fp8":
                     convert_model(whole, FP8, emulate=True, fsdp=False)
-                steps = apply_rewrites(holder, plan, tp_mesh=mesh["tp"]).steps
+                    # As the app's precision plugin converts under FSDP2: torchao all-gathers the FP8 weights over
+                    # the data-parallel ranks (apply_rewrites' own conversion then finds the model converted).
+                    convert_model(holder, FP8, emulate=True, fsdp=family == "fsdp_tp")
+                rewrite = apply_rewrites(holder, plan, tp_mesh=mesh["tp"])
+                steps = rewrite.steps
                 if family == "fsdp_tp":
                     apply_fully_shard(holder, ["Block"], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
                 bf16 = technique in ("keep_fp32", "fp8")
@@ -275,6 +279,8 @@ def walk(dims: ParallelDims) -> dict[str, Any]:
                 )
                 got[cell] = {"loss": value, "want": float(want), "steps": steps, "grads": grads, "grad_error": error}
                 got[cell]["no_grad_loss"] = no_grad
+                conversion = rewrite.conversion
+                got[cell]["fsdp_float8_all_gather"] = conversion is not None and conversion.fsdp_float8_all_gather
                 got[cell]["float8_layers"] = sum(type(m).__name__ == "Float8Linear" for m in holder.modules())
                 got[cell]["float8_mm_weights"] = sorted(set(mms))
                 got[cell]["saved_by_dtype"] = counter.report().by_dtype

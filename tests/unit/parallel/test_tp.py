@@ -232,6 +232,8 @@ def test_fp8_under_tp_runs_torchaos_float8_matmuls_on_the_shards_and_matches_the
     """FP8 without sequence parallelism: torchao's float8 plans on gloo, against the same FP8 model on one process."""
     for seen in ranks:
         got = seen["walk"][f"fp8+{family}"]
+        # Under FSDP2 (fsdp_tp) as the app converts: FSDP2 all-gathers the float8 weights over the data-parallel ranks.
+        assert got["fsdp_float8_all_gather"] == (family == "fsdp_tp")
         assert got["float8_layers"] == 2 * 7  # q, k, v, o, gate, up, down of both blocks (the head stays bf16)
         shapes = {tuple(s) for s in got["float8_mm_weights"]}
         # torchao's float8 matmul ran on each rank's half of each weight, as (in, out) after its transpose: q (32 of
