@@ -109,6 +109,12 @@ print(d.name, line, "resumed == full:", bool(got["full"] and got["resumed"] and 
 PYEOF
         done
     done
+    # FP8 + tensor parallelism with sequence parallelism (NCCL all-gathers float8; refused on gloo): needs 2 GPUs,
+    # skips with the reason on one.
+    log "fp8 tp sequence parallel (2 GPUs)"
+    timeout 240 "$PY" -m pytest -o addopts="--strict-markers --import-mode=importlib" -q -p no:cacheprovider -rs \
+        "tests/unit/parallel/test_tp.py::test_fp8_with_sequence_parallelism_on_two_gpus_matches_the_fp8_model" \
+        2>&1 | tee "$OUT/fp8_tp_sp.txt"
 fi
 if [ "$PART" = "7" ]; then
     # The precision parity experiment with real FP8 GEMMs: fp32, bf16, fp8 (torchao) and fp8_te (refused and reported

@@ -20,6 +20,7 @@ from lightning_trainopt._compat._guard import UpstreamChangedError, changed, pri
 __all__ = [
     "TORCH_RANGE",
     "MetaTruthValues",
+    "collective_result",
     "compiled_original",
     "fake_tensor_mode",
     "has_compiled_call",
@@ -431,3 +432,19 @@ def head_colwise_parallel(**kwargs: Any) -> Any:
 
     style = type("HeadColwiseParallel", (ColwiseParallel,), {"_prepare_output_fn": staticmethod(prepare_output)})
     return style(**kwargs)
+
+
+def collective_result(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for torch's ``AsyncCollectiveTensor`` the plain tensor it wraps, waited for.
+
+    A DTensor redistributed and handed on as a local tensor (tensor parallelism's ``use_local_output=True``) is the
+    pending result of a functional collective: a wrapper subclass without storage of its own, which autograd saves
+    as it is. Its class lives in the private ``torch.distributed._functional_collectives``.
+    """
+    if not torch.distributed.is_available():
+        return t
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError as err:  # pragma: no cover - depends on the torch release
+        raise _torch_changed("torch.distributed._functional_collectives.AsyncCollectiveTensor") from err
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t

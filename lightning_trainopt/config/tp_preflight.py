@@ -20,7 +20,7 @@ from lightning_trainopt.parallel.tp import (
     tp_divisibility_errors,
 )
 
-__all__ = ["check_tensor_parallel", "tensor_parallel_size"]
+__all__ = ["check_float8_tensor_parallel", "check_tensor_parallel", "tensor_parallel_size"]
 
 _TP_STRATEGY = "TrainOptTPStrategy"
 
@@ -56,6 +56,7 @@ def check_tensor_parallel(cfg: Any) -> None:
     tp = tensor_parallel_size(cfg)
     if tp == 1:
         return
+    check_float8_tensor_parallel(cfg, tp)
     from lightning_trainopt.config.model_factory import meta_module, model_kind
 
     model = cfg.get("model")
@@ -83,3 +84,41 @@ def check_tensor_parallel(cfg: Any) -> None:
 def found_name(model: Any) -> str:
     """The model's ``model_type`` or class name, for messages."""
     return getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+
+
+def check_float8_tensor_parallel(cfg: Any, tp: int) -> None:
+    """Refuse torchao FP8 with tensor parallelism where it cannot run: a recipe other than ``tensorwise`` (torchao's
+    float8 tensor-parallel plans cast with one scale per tensor), and sequence parallelism on CPU (it all-gathers
+    float8 activations, and gloo has no float8 type; NCCL has).
+
+    Raises:
+        IncompatibleConfigError: naming ``precision.recipe`` or ``strategy.sequence_parallel``.
+    """
+    import torch
+
+    precision = cfg.get("precision") or {}
+    if precision.get("backend") != "torchao":
+        return
+    recipe = precision.get("recipe") or "tensorwise"
+    if recipe != "tensorwise":
+        raise IncompatibleConfigError(
+            {"precision.recipe": recipe, "strategy.tensor_parallel_size": tp},
+            "torchao's float8 tensor-parallel plans (Float8ColwiseParallel, Float8RowwiseParallel) cast activations "
+            "with one scale per tensor; the row-wise recipes need per-row scales of the whole tensor.",
+            "use precision.recipe=tensorwise with tensor parallelism.",
+        )
+    strategy = cfg.get("strategy")
+    trainer = cfg.get("trainer") or {}
+    on_cpu = str(trainer.get("accelerator", "auto")) == "cpu" or not torch.cuda.is_available()
+    if strategy.get("sequence_parallel", True) and on_cpu:
+        raise IncompatibleConfigError(
+            {
+                "precision": precision.get("name", "fp8"),
+                "strategy.sequence_parallel": True,
+                "trainer.accelerator": "cpu",
+            },
+            "with sequence parallelism torchao's float8 tensor-parallel plans all-gather float8 activations, and "
+            "gloo (CPU) has no float8 type (it fails with 'Invalid scalar type'); only NCCL (GPUs) can.",
+            "set strategy.sequence_parallel=false: FP8 tensor parallelism without float8 collectives (the residual "
+            "stream replicated, row-parallel outputs all-reduced in bf16), or run on GPUs.",
+        )

@@ -84,6 +84,9 @@ class RewritePlan:
         precision: a precision preset that converts layers (FP8) or keeps modules in fp32; ``None``: no conversion.
         emulate_fp8: torchao emulates the FP8 GEMMs in fp32 (on CPU).
         tensor_parallel: tensor-parallel degree; above 1 needs the tensor-parallel mesh (``tp_mesh``) of that size.
+        sequence_parallel: under tensor parallelism, split the norms and the residual stream over the sequence too
+            (``False``: replicated; the only way FP8 tensor parallelism runs on gloo, see
+            :func:`~lightning_trainopt.parallel.tp.apply_tensor_parallel`).
         checkpoint: which blocks to checkpoint; ``None``: none.
         saved_tensors: a transform of the activations saved for backward (``CpuOffloader``, ``Int8Compressor``),
             active during the model's forward.
@@ -98,6 +101,7 @@ class RewritePlan:
     precision: PrecisionSpec | None = None
     emulate_fp8: bool = False
     tensor_parallel: int = 1
+    sequence_parallel: bool = True
     checkpoint: CheckpointPolicy | None = None
     saved_tensors: SavedTensorsTransform | None = None
     compile: bool = False
@@ -164,7 +168,7 @@ def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None, tp_mes
         report.conversion = convert_model(model, plan.precision, emulate=plan.emulate_fp8, fsdp=plan.shard == "fsdp2")
         report.steps.append("convert")
     if plan.tensor_parallel != 1:
-        report.tensor_parallel = _tensor_parallel(model, plan.tensor_parallel, tp_mesh)
+        report.tensor_parallel = _tensor_parallel(model, plan.tensor_parallel, tp_mesh, plan.sequence_parallel)
         report.steps.append("tensor_parallel")
     if plan.checkpoint is not None:
         report.checkpoint = apply_activation_checkpointing(model, plan.checkpoint)
@@ -213,7 +217,8 @@ def rewrite_at_configure_model(module: Any, plan: RewritePlan) -> None:
             report.steps.append("convert")
         tp_mesh = _tp_mesh_of(self)
         tp = 1 if tp_mesh is None else int(tp_mesh.size())
-        applied = apply_rewrites(self, replace(plan, tensor_parallel=tp), tp_mesh=tp_mesh)
+        sp = _sequence_parallel_of(self, plan.sequence_parallel)
+        applied = apply_rewrites(self, replace(plan, tensor_parallel=tp, sequence_parallel=sp), tp_mesh=tp_mesh)
         applied.conversion = applied.conversion or report.conversion
         applied.steps[:0] = report.steps
         self.__dict__[_REPORT] = applied
@@ -243,7 +248,13 @@ def _tp_mesh_of(module: Any) -> Any | None:
     return mesh if mesh is not None and int(mesh.size()) > 1 else None
 
 
-def _tensor_parallel(model: nn.Module, degree: int, tp_mesh: Any) -> TPReport:
+def _sequence_parallel_of(module: Any, default: bool) -> bool:
+    """The module's strategy's ``sequence_parallel`` (``TrainOptTPStrategy``), ``default`` without one."""
+    trainer = getattr(module, "_trainer", None)
+    return bool(getattr(getattr(trainer, "strategy", None), "sequence_parallel", default))
+
+
+def _tensor_parallel(model: nn.Module, degree: int, tp_mesh: Any, sequence_parallel: bool = True) -> TPReport:
     """Step 2: the model's tensor-parallel plan over ``tp_mesh``, with torchao's float8 plans where step 1 converted
     the linear layers to ``Float8Linear``."""
     if tp_mesh is None or int(tp_mesh.size()) != degree:
@@ -253,7 +264,7 @@ def _tensor_parallel(model: nn.Module, degree: int, tp_mesh: Any) -> TPReport:
             "tensor parallelism needs its device mesh: use +strategy=tp or +strategy=fsdp_tp (or pass tp_mesh=...).",
         )
     float8 = any(type(m).__name__ == "Float8Linear" for m in model.modules())
-    return apply_tensor_parallel(model, tp_mesh, float8=float8)
+    return apply_tensor_parallel(model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel)
 
 
 def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:

@@ -64,27 +64,10 @@ TABLE: dict[Technique, dict[Family, Refusal | None]] = {
 }
 TABLE["fp8"]["fsdp1"] = _FSDP1_CONVERT
 TABLE["keep_fp32"]["fsdp1"] = _FSDP1_CONVERT
-# Tensor parallelism (+strategy=tp: TP only; +strategy=fsdp_tp: TP x FSDP2/HSDP).
-_TP_FP8 = Refusal(
-    "torchao's float8 tensor-parallel plans all-gather float8 activations: gloo (CPU) has no float8 type (it "
-    "fails with 'Invalid scalar type'), and on GPUs (NCCL) this composition has not been verified in this project.",
-    "use precision=bf16 with +strategy=tp|fsdp_tp, or precision=fp8 with +strategy=fsdp (FP8 all-gathers under FSDP2).",
-)
-_TP_INT8 = Refusal(
-    "the int8 compressor quantises saved activations with a kernel that cannot read the DTensor activations "
-    "tensor parallelism saves for backward.",
-    "use activations=checkpoint or activations=offload with tensor parallelism.",
-)
-_TP_COMPILE = Refusal(
-    "a compiled block with tensor-parallel (DTensor) activations trains, but fails once it runs without grad "
-    "(validation after training steps): AttributeError: 'Tensor' object has no attribute 'elem' in AOTAutograd's "
-    "subclass wrapper (measured with torch 2.13 on 2 gloo ranks).",
-    "remove compile=true with +strategy=tp|fsdp_tp (activations=checkpoint composes).",
-)
-for _family in ("tp", "fsdp_tp"):
-    TABLE["compile"][_family] = _TP_COMPILE
-    TABLE["fp8"][_family] = _TP_FP8
-    TABLE["int8"][_family] = _TP_INT8
+# Tensor parallelism (+strategy=tp: TP only; +strategy=fsdp_tp: TP x FSDP2/HSDP) composes with every technique:
+# FP8 through torchao's float8 plans (tensorwise recipe; with sequence parallelism they all-gather float8, which gloo
+# cannot: config/tp_preflight.py refuses that on CPU only), int8 by compressing each saved DTensor's local shard
+# (transforms/compression.py), compile per block (parallel/tp.py settles the embedding's asynchronous collective).
 
 
 def cell(technique: Technique, family: Family) -> Refusal | None:

@@ -13,7 +13,10 @@ Llama-family attention reshapes with ``-1`` heads and needs nothing.
 
 An architecture without a plan is refused (:data:`ARCHITECTURES` lists those with one). FP8: with torchao's float8
 layers converted first (step 1 of the ordered rewrite), the plans use torchao's ``Float8ColwiseParallel`` /
-``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput`` for the blocks, as torchtitan does.
+``Float8RowwiseParallel`` / ``PrepareFloat8ModuleInput`` for the blocks, as torchtitan does. With sequence
+parallelism those all-gather float8 activations, which only NCCL can; ``sequence_parallel=False`` (Megatron's
+original TP: replicated residual stream and norms, row-parallel outputs all-reduced in high precision) keeps every
+float8 tensor out of the collectives, so FP8 tensor parallelism runs on gloo too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "TPReport",
     "apply_tensor_parallel",
     "architecture_of",
+    "check_float8_sequence_parallel",
     "clip_grad_norm_",
     "inner_model",
     "model_shape",
@@ -68,12 +72,14 @@ class TPReport:
         tp: the tensor-parallel size.
         modules: the module names the plan parallelised, relative to the inner model.
         float8: the blocks' linear layers use torchao's float8 plans.
+        sequence_parallel: the norms and the residual stream are split over the sequence too.
     """
 
     architecture: str
     tp: int
     modules: list[str] = field(default_factory=list)
     float8: bool = False
+    sequence_parallel: bool = True
 
 
 def inner_model(module: nn.Module) -> nn.Module:
@@ -149,24 +155,28 @@ def tp_sharded_parameters(model: nn.Module) -> set[int]:
     return out
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False) -> TPReport:
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: Any, float8: bool = False, sequence_parallel: bool = True
+) -> TPReport:
     """Parallelise the language model inside ``module`` over the 1-D device mesh ``tp_mesh``, in place.
 
     Args:
         module: a LightningModule (or the model itself) holding our ``GPT`` or a Llama-family Hugging Face model.
         tp_mesh: the tensor-parallel dimension of the device mesh.
         float8: the blocks' linear layers were converted to torchao's ``Float8Linear``: use its float8 plans.
+        sequence_parallel: split the norms and the residual stream over the sequence too (Megatron's sequence
+            parallelism). ``False``: the residual stream is replicated, each block's input goes to the
+            column-parallel layers as it is and the row-parallel outputs are all-reduced (in high precision), so
+            no collective carries a float8 tensor.
 
     Raises:
         IncompatibleConfigError: no plan for the architecture (the message lists those with one), or a size the TP
             size does not divide.
     """
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
-        SequenceParallel,
         parallelize_module,
     )
 
@@ -188,7 +198,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
             "use a tensor-parallel size that divides the heads, KV heads, FFN width and vocabulary.",
         )
     names = _NAMES["gpt" if arch == "gpt" else "hf"]
-    embed, blocks, attn, q, k, v, o, attn_norm, mlp, gate, up, down, mlp_norm, norm, head = names
+    embed, blocks, attn, head = names[0], names[1], names[2], names[-1]
     colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     if float8:
         from torchao.float8.float8_tensor_parallel import (
@@ -198,7 +208,43 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
         )
 
         colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    if float8 and sequence_parallel:
+        check_float8_sequence_parallel(tp_mesh)
     tied = _tied(model, embed, head)
+    if sequence_parallel:
+        top, block_plan = _sequence_parallel_plans(arch, names, colwise, rowwise, prepare_input)
+    else:
+        top, block_plan = _replicated_plans(names, colwise, rowwise)
+    parallelize_module(model, tp_mesh, top)
+    model.get_submodule(embed).register_forward_hook(_settled_output)
+    layers: Any = model.get_submodule(blocks)  # an nn.ModuleList
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, block_plan)
+        if arch == "gpt":  # each rank computes its own heads
+            layer.get_submodule(attn).n_heads //= tp
+            layer.get_submodule(attn).kv_heads //= tp
+    if tied:
+        # Row-parallel embedding and column-parallel head both shard the (vocab, d_model) matrix on dimension 0:
+        # one DTensor serves both, as the tie did before (parallelize_module made a second Parameter of it).
+        model.get_submodule(head).weight = model.get_submodule(embed).weight
+    return TPReport(
+        architecture=arch,
+        tp=tp,
+        modules=[*top, *(f"{blocks}.{i}.{name}" for i in range(len(layers)) for name in block_plan)],
+        float8=float8,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def _sequence_parallel_plans(
+    arch: str, names: tuple[str, ...], colwise: Any, rowwise: Any, prepare_input: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plans with sequence parallelism: the residual stream and the norms sharded over the sequence; each block's
+    attention and MLP all-gather their input (in float8 with torchao's plans) and reduce-scatter their output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
+
+    embed, _, attn, q, k, v, o, attn_norm, mlp, gate, up, down, mlp_norm, norm, head = names
     # The residual stream stays a DTensor sharded over the sequence (use_local_output=False), so a model that reads
     # the sequence length from it (Hugging Face's causal mask and positions) sees the whole length.
     top = {
@@ -207,7 +253,6 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
         # ColwiseParallel that lets a head loss's scalar through (loss=chunked_ce, vocabulary-parallel).
         head: head_colwise_parallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
-    parallelize_module(model, tp_mesh, top)
     # GPT's attention takes (x, rope, doc_ids); Hugging Face's its hidden states by keyword.
     gather = (
         {"input_layouts": (Shard(1), None, None), "desired_input_layouts": (Replicate(), None, None)}
@@ -230,22 +275,70 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
         f"{mlp}.{up}": colwise(),
         f"{mlp}.{down}": rowwise(output_layouts=Shard(1), use_local_output=False),
     }
-    layers: Any = model.get_submodule(blocks)  # an nn.ModuleList
-    for layer in layers:
-        parallelize_module(layer, tp_mesh, block_plan)
-        if arch == "gpt":  # each rank computes its own heads
-            layer.get_submodule(attn).n_heads //= tp
-            layer.get_submodule(attn).kv_heads //= tp
-    if tied:
-        # Row-parallel embedding and column-parallel head both shard the (vocab, d_model) matrix on dimension 0:
-        # one DTensor serves both, as the tie did before (parallelize_module made a second Parameter of it).
-        model.get_submodule(head).weight = model.get_submodule(embed).weight
-    return TPReport(
-        architecture=arch,
-        tp=tp,
-        modules=[*top, *(f"{blocks}.{i}.{name}" for i in range(len(layers)) for name in block_plan)],
-        float8=float8,
+    return top, block_plan
+
+
+def _replicated_plans(names: tuple[str, ...], colwise: Any, rowwise: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plans without sequence parallelism (Megatron's original TP): the residual stream and the norms replicated
+    as plain tensors; column-parallel layers take the replicated input as it is, row-parallel layers all-reduce their
+    partial sums in the activations' precision. Only the embedding's output and the row-parallel outputs are reduced
+    (forward), and the column-parallel inputs' gradients (backward): never a float8 tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    embed, _, attn, q, k, v, o, _, mlp, gate, up, down, _, _, head = names
+    top = {
+        embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        head: head_colwise_parallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False),
+    }
+    block_plan = {
+        f"{attn}.{q}": colwise(),
+        f"{attn}.{k}": colwise(),
+        f"{attn}.{v}": colwise(),
+        f"{attn}.{o}": rowwise(),
+        f"{mlp}.{gate}": colwise(),
+        f"{mlp}.{up}": colwise(),
+        f"{mlp}.{down}": rowwise(),
+    }
+    return top, block_plan
+
+
+def check_float8_sequence_parallel(tp_mesh: Any) -> None:
+    """Refuse torchao's float8 plans with sequence parallelism on a mesh whose backend cannot move float8 tensors.
+
+    With sequence parallelism, ``PrepareFloat8ModuleInput`` casts each block's sequence shard to float8 before the
+    all-gather (half the bytes of bf16), and the row-parallel outputs' gradients are all-gathered in float8 in
+    backward. NCCL has float8 types; gloo (CPU) has none and fails with ``Invalid scalar type``.
+
+    Raises:
+        IncompatibleConfigError: the tensor-parallel mesh's process group is not NCCL.
+    """
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(tp_mesh.get_group())) if dist.is_initialized() else "none"
+    if "nccl" in backend:
+        return
+    raise IncompatibleConfigError(
+        {"precision": "fp8", "strategy.sequence_parallel": True, "backend": backend},
+        f"with sequence parallelism torchao's float8 tensor-parallel plans all-gather float8 activations, and the "
+        f"{backend} backend has no float8 type (only NCCL can all-gather float8: GPUs).",
+        "set strategy.sequence_parallel=false (FP8 tensor parallelism without float8 collectives), or run on GPUs.",
     )
+
+
+def _settled_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output with its collective finished, as a tensor (or DTensor) with storage of its own.
+
+    RowwiseParallel reduces the embedding's partial sums asynchronously, so its output holds a pending collective
+    (torch's ``AsyncCollectiveTensor``, as the DTensor's local tensor with sequence parallelism, as the tensor itself
+    without). A compiled block traced with that wrapper as its input records it as such, and fails when the same
+    block is later called with a plain tensor (the next block, or a forward without grad, which recompiles):
+    AOTAutograd's runtime wrapper reads the wrapper's ``elem`` (``AttributeError: 'Tensor' object has no attribute
+    'elem'``, torch 2.13, at the first validation; ``'_local_tensor'`` without sequence parallelism). With Inductor
+    a wrapper nested in a DTensor is also never waited for (pytorch/pytorch#180614). The copy costs one
+    ``(batch, seq / tp, d_model)`` activation per step; the first block waits for the collective anyway.
+    """
+    return output.clone()
 
 
 def _tied(model: nn.Module, embed: str, head: str) -> bool:

@@ -44,6 +44,9 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
         cpu_offload: FSDP2's ``CPUOffloadPolicy``.
         reshard_after_forward: FSDP2 frees gathered parameters after forward.
         preset: name reported in metrics.
+        sequence_parallel: split the norms and the residual stream over the sequence too (Megatron's sequence
+            parallelism: activations divided by the TP size); ``False``: replicated, which FP8 needs on gloo (CPU),
+            where no float8 tensor may cross a collective.
         meta_init: build the model on the meta device, split it (TP, then ``fully_shard``) and initialise, or read
             from ``model.pretrained``, only each rank's pieces (:mod:`~lightning_trainopt.parallel.meta_init`).
             ``False``: every rank builds the whole model, which is then split.
@@ -65,6 +68,7 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
         reshard_after_forward: bool = True,
         preset: str = "tp",
         meta_init: bool = True,
+        sequence_parallel: bool = True,
         **kwargs: Any,
     ) -> None:
         if tensor_parallel_size != "auto" and (
@@ -95,7 +99,10 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
             **kwargs,
         )
         self.tensor_parallel_size = tensor_parallel_size
+        if not isinstance(sequence_parallel, bool):
+            raise ConfigError("strategy.sequence_parallel", sequence_parallel, "use true or false.")
         self.replicate = replicate
+        self.sequence_parallel = sequence_parallel
         self.parallel_dims: ParallelDims | None = None
 
     @override
@@ -150,7 +157,8 @@ class TrainOptTPStrategy(TrainOptFSDPStrategy):
             # No rewrite ran at configure_model (no activation technique, no compile): steps 1-2 here.
             if isinstance(self.precision_plugin, ModelTransforms):
                 self.precision_plugin.transform(self.model)
-            apply_rewrites(self.model, RewritePlan(tensor_parallel=dims.tp), tp_mesh=self.tp_mesh)
+            plan = RewritePlan(tensor_parallel=dims.tp, sequence_parallel=self.sequence_parallel)
+            apply_rewrites(self.model, plan, tp_mesh=self.tp_mesh)
         if dims.dp > 1:
             plan = RewritePlan(
                 shard="fsdp2",

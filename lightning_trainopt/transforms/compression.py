@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_trainopt._compat.torch_internals import tensor_version
+from lightning_trainopt._compat.torch_internals import collective_result, tensor_version
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import is_parameter_tensor
 
@@ -71,6 +71,38 @@ class _Packed:
 
     def stored_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.storage.stored_tensors()
+
+
+class _PackedShard:
+    """What the graph keeps for one saved DTensor (tensor parallelism): its local shard as the transform stored it,
+    and the mesh, placements, shape and stride that make the DTensor whole again."""
+
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local: Any, t: Any) -> None:
+        self.local = local
+        self.mesh, self.placements, self.shape, self.stride = t.device_mesh, t.placements, t.shape, t.stride()
+
+    def stored_tensors(self) -> tuple[torch.Tensor, ...]:
+        if isinstance(self.local, torch.Tensor):
+            return (self.local,)
+        return tuple(self.local.stored_tensors())
+
+    def restore(self, local: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def _dtensor_type() -> type | None:
+    """torch's ``DTensor`` class, ``None`` where torch is built without distributed support."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 class Int8Compressor:
@@ -141,6 +173,20 @@ class Int8Compressor:
         return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) < self.max_abs
 
     def pack(self, t: torch.Tensor) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(t, dtensor):
+            # Autograd saves a tensor-parallel layer's activations as DTensors (it records the graph above DTensor's
+            # dispatch), whose storage is their local shard's: compress the shard, rebuild the DTensor in unpack.
+            if not t.is_floating_point() or is_parameter_tensor(t):
+                self.n_passed += 1
+                return t
+            shard: Any = t.detach()
+            with torch.no_grad():
+                local = shard.to_local()
+            return _PackedShard(self._pack_local(collective_result(local)), t)
+        return self._pack_local(collective_result(t))
+
+    def _pack_local(self, t: torch.Tensor) -> Any:
         flat = self._flat_storage(t)
         if flat is None:
             self.n_passed += 1
@@ -162,6 +208,8 @@ class Int8Compressor:
         return _Packed(quantized, t.shape, t.stride(), int(t.storage_offset()))
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _PackedShard):
+            return packed.restore(self.unpack(packed.local))
         if isinstance(packed, _Packed):
             return dequantize_blockwise(packed.storage).as_strided(packed.shape, packed.stride, packed.offset)
         return packed

@@ -9,8 +9,10 @@ for tests/unit/parallel/test_tp.py:
   plain parameters (an extra plain layer), and the parameter elements this rank holds against the whole model's;
 * ``walk``: each OK cell of the ``tp`` and ``fsdp_tp`` columns of the technique x strategy table, applied by
   ``apply_rewrites`` (conversions, TP, activation techniques) to our GPT, ``fully_shard``-ed over the
-  data-parallel ranks for ``fsdp_tp``: the loss of one forward and backward against a whole model's, then a forward
-  without grad (as validation runs);
+  data-parallel ranks for ``fsdp_tp``: the loss and gradients of one forward and backward against a whole model's
+  (FP8: the whole model converted the same way; the float8 matmuls torchao ran and their local weight shapes; int8:
+  the storages compressed and the bytes kept by dtype), then a forward without grad (as validation runs); and FP8
+  with sequence parallelism refused on gloo;
 * ``meta`` (4 processes): our GPT and a tiny Hugging Face Llama (tied embeddings) built on the meta device, split
   by TP 2 x FSDP2 2 and materialised piece by piece, against a whole build from the same seed (every weight, whole
   again through ``full_tensor``); and a ``save_pretrained`` Llama read slice by slice against ``from_pretrained``
@@ -24,6 +26,8 @@ for tests/unit/parallel/test_tp.py:
   sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to.
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node=N tests/unit/parallel/_tp_worker.py OUT_DIR
+
+With a second argument ``nccl`` (2 GPUs): ``fp8_nccl`` only, FP8 with sequence parallelism (float8 all-gathers).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from lightning_trainopt.exceptions import IncompatibleConfigError  # noqa: E402
+from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter  # noqa: E402
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.gpt import GPT  # noqa: E402
 from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
@@ -52,9 +61,12 @@ from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES  # noqa: 
 from lightning_trainopt.parallel.dims import ParallelDims  # noqa: E402
 from lightning_trainopt.parallel.tp import apply_tensor_parallel, clip_grad_norm_  # noqa: E402
 from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy  # noqa: E402
+from lightning_trainopt.precision.convert import convert_model  # noqa: E402
+from lightning_trainopt.precision.fp8_spec import FP8PrecisionSpec  # noqa: E402
 from lightning_trainopt.precision.spec import PrecisionSpec  # noqa: E402
 from lightning_trainopt.transforms.checkpointing import CheckpointPolicy  # noqa: E402
 from lightning_trainopt.transforms.chunked_loss import ChunkedLMHeadLoss, head_returns_loss  # noqa: E402
+from lightning_trainopt.transforms.compression import Int8Compressor, gradient_relative_error  # noqa: E402
 from lightning_trainopt.transforms.offload import CpuOffloader  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data  # noqa: E402
 
@@ -211,8 +223,18 @@ def chunked(dims: ParallelDims, kind: str = "gpt") -> dict[str, Any]:
     return {**out, "grad_diffs": diffs, "scale": scale}
 
 
+#: FP8 as conf/precision/fp8.yaml (tensorwise), every linear layer of the tiny model converted, emulated on CPU.
+FP8 = FP8PrecisionSpec(name="fp8", trainer_precision="bf16-mixed", recipe="tensorwise", skip_small=False)
+
+
 def _technique_plan(technique: str) -> RewritePlan:
     plans = {
+        # Without sequence parallelism no float8 tensor crosses a collective: it runs on gloo.
+        "fp8": RewritePlan(precision=FP8, emulate_fp8=True, sequence_parallel=False),
+        "int8": RewritePlan(saved_tensors=Int8Compressor(min_numel=1)),
+        # aot_eager: Dynamo and AOTAutograd's DTensor handling (where TP once failed) without Inductor's code
+        # generation, which is slow on 4 processes sharing 2 cores.
+        "compile": RewritePlan(compile=True, compile_kwargs={"backend": "aot_eager"}),
         "keep_fp32": RewritePlan(
             precision=PrecisionSpec(name="bf16", trainer_precision="bf16-mixed", keep_fp32=("RMSNorm",))
         ),
@@ -222,8 +244,33 @@ def _technique_plan(technique: str) -> RewritePlan:
     return RewritePlan(**{**plans[technique].__dict__, "tensor_parallel": 2})
 
 
+@contextmanager
+def _float8_mms() -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the weights of every matmul torchao's float8 tensor computed (its ``aten.mm`` override)."""
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+    seen: list[tuple[int, ...]] = []
+    mm = torch.ops.aten.mm.default
+    own = FLOAT8_OPS_TABLE[mm]
+
+    def counting(op: Any, args: Any, kwargs: Any = None) -> Any:
+        seen.append(tuple(args[1].shape))
+        return own(op, args, kwargs)
+
+    FLOAT8_OPS_TABLE[mm] = counting
+    try:
+        yield seen
+    finally:
+        FLOAT8_OPS_TABLE[mm] = own
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def walk(dims: ParallelDims) -> dict[str, Any]:
-    """Every OK cell of the tp and fsdp_tp columns: one forward and backward against a whole model's loss."""
+    """Every OK cell of the tp and fsdp_tp columns: one forward and backward against a whole model's loss and
+    gradients (the whole model FP8-converted too for the fp8 cells), then a forward without grad."""
     mesh = init_device_mesh("cpu", (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
     batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
     got: dict[str, Any] = {}
@@ -235,23 +282,80 @@ def walk(dims: ParallelDims) -> dict[str, Any]:
                 whole = GPT(SHAPE)
                 holder = Holder(copy.deepcopy(whole))
                 plan = _technique_plan(technique)
-                steps = apply_rewrites(holder, plan, tp_mesh=mesh["tp"]).steps
+                if technique == "fp8":
+                    convert_model(whole, FP8, emulate=True, fsdp=False)
+                    # As the app's precision plugin converts under FSDP2: torchao all-gathers the FP8 weights over
+                    # the data-parallel ranks (apply_rewrites' own conversion then finds the model converted).
+                    convert_model(holder, FP8, emulate=True, fsdp=family == "fsdp_tp")
+                rewrite = apply_rewrites(holder, plan, tp_mesh=mesh["tp"])
+                steps = rewrite.steps
                 if family == "fsdp_tp":
                     apply_fully_shard(holder, ["Block"], mesh["dp"], cpu_offload=False, reshard_after_forward=True)
-                bf16 = technique == "keep_fp32"
+                bf16 = technique in ("keep_fp32", "fp8")
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    want = float(_loss("gpt", whole, batch))
-                with loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                    loss = _loss("gpt", holder, batch)
+                    want = _loss("gpt", whole, batch)
+                    want.backward()
+                counter = SavedTensorsCounter()
+                with loss_parallel(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _float8_mms() as mms:
+                    with counter:
+                        loss = _loss("gpt", holder, batch)
                     loss.backward()
                     with torch.no_grad():  # as validation runs it after training steps
-                        _loss("gpt", holder, batch)
-                value = float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+                        no_grad = float(_whole(_loss("gpt", holder, batch)))
+                value = float(_whole(loss))
                 grads = all(p.grad is not None for p in holder.parameters())
-                got[cell] = {"loss": value, "want": want, "steps": steps, "grads": grads}
+                error = gradient_relative_error(
+                    [p.grad for p in whole.parameters()], [_whole(p.grad) for p in holder.model.parameters()]
+                )
+                got[cell] = {"loss": value, "want": float(want), "steps": steps, "grads": grads, "grad_error": error}
+                got[cell]["no_grad_loss"] = no_grad
+                conversion = rewrite.conversion
+                got[cell]["fsdp_float8_all_gather"] = conversion is not None and conversion.fsdp_float8_all_gather
+                got[cell]["float8_layers"] = sum(type(m).__name__ == "Float8Linear" for m in holder.modules())
+                got[cell]["float8_mm_weights"] = sorted(set(mms))
+                got[cell]["saved_by_dtype"] = counter.report().by_dtype
+                if isinstance(plan.saved_tensors, Int8Compressor):
+                    got[cell]["n_compressed"] = plan.saved_tensors.n_compressed
             except Exception as err:  # recorded per cell, so one failure names its cell
                 got[cell] = {"error": f"{type(err).__name__}: {err}"}
+    for kind in ("gpt", "hf"):
+        got[f"no_sequence_parallel_{kind}"] = _no_sequence_parallel(kind, mesh["tp"], batch)
+    got["fp8_sequence_parallel"] = _refusal(
+        lambda: apply_rewrites(
+            Holder(GPT(SHAPE)), replace(_technique_plan("fp8"), sequence_parallel=True), tp_mesh=mesh["tp"]
+        )
+    )
     return got
+
+
+def _no_sequence_parallel(kind: str, tp_mesh: Any, batch: torch.Tensor) -> dict[str, Any]:
+    """TP without sequence parallelism (fp32; Hugging Face's Llama with tied embeddings) against the whole model."""
+    torch.manual_seed(0)
+    whole = GPT(SHAPE) if kind == "gpt" else _hf_llama(tied=True)
+    model = copy.deepcopy(whole)
+    report = apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
+    want = _loss(kind, whole, batch)
+    want.backward()
+    with loss_parallel():
+        loss = _loss(kind, model, batch)
+        loss.backward()
+    error = gradient_relative_error([p.grad for p in whole.parameters()], [_whole(p.grad) for p in model.parameters()])
+    norms = [n for n, p in model.named_parameters() if p.dim() == 1]
+    return {
+        "loss": float(_whole(loss)),
+        "want": float(want),
+        "grad_error": error,
+        "sequence_parallel": report.sequence_parallel,
+        "norms_plain": all(not isinstance(p, DTensor) for n, p in model.named_parameters() if n in norms),
+    }
+
+
+def _refusal(run: Any) -> str:
+    try:
+        run()
+    except IncompatibleConfigError as err:
+        return str(err)
+    return "not refused"
 
 
 def _split(kind: str, model: nn.Module, mesh: Any, dims: ParallelDims) -> Holder:
@@ -396,7 +500,48 @@ def fit(dims: ParallelDims) -> dict[str, Any]:
     return probe.seen
 
 
+def fp8_nccl(rank: int) -> dict[str, Any]:
+    """FP8 with sequence parallelism on GPUs (NCCL all-gathers float8): TP 2 against the same FP8 model on one GPU,
+    real FP8 GEMMs, sizes torch._scaled_mm takes (multiples of 16 on each rank's shard)."""
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    shape = GPTConfig(
+        name="tp-fp8", vocab_size=VOCAB, n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=SEQ
+    )
+    mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("tp",))
+    batch = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7)).to(device)
+    torch.manual_seed(0)
+    whole = GPT(shape).to(device)
+    holder = Holder(copy.deepcopy(whole))
+    convert_model(whole, FP8, emulate=False, fsdp=False)
+    plan = RewritePlan(precision=FP8, emulate_fp8=False, tensor_parallel=2, sequence_parallel=True)
+    report = apply_rewrites(holder, plan, tp_mesh=mesh["tp"])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = _loss("gpt", whole, batch)
+        want.backward()
+    with loss_parallel(), torch.autocast("cuda", dtype=torch.bfloat16), _float8_mms() as mms:
+        loss = _loss("gpt", holder, batch)
+        loss.backward()
+    error = gradient_relative_error(
+        [p.grad for p in whole.parameters()], [_whole(p.grad) for p in holder.model.parameters()]
+    )
+    assert report.tensor_parallel is not None
+    return {
+        "loss": float(_whole(loss)),
+        "want": float(want),
+        "grad_error": error,
+        "sequence_parallel": report.tensor_parallel.sequence_parallel,
+        "float8_mms": len(mms),
+    }
+
+
 def main(out: Path) -> None:
+    if len(sys.argv) > 2 and sys.argv[2] == "nccl":
+        dist.init_process_group("nccl")
+        rank = dist.get_rank()
+        (out / f"rank{rank}.json").write_text(json.dumps({"fp8_nccl": fp8_nccl(rank)}))
+        dist.destroy_process_group()
+        return
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_world(world, tp=2)

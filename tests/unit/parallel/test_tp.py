@@ -33,6 +33,7 @@ from lightning_trainopt.parallel.tp import (
 )
 from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy
 from tests.helpers.compose import compose_config
+from tests.helpers.runif import RunIf
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = GPTConfig(name="t", vocab_size=64, n_layers=1, d_model=32, n_heads=4, ffn_hidden=64, max_seq_len=16)
@@ -207,15 +208,74 @@ def test_every_ok_tp_and_fsdp_tp_cell_composes_and_matches_a_whole_model(ranks):
     from lightning_trainopt.parallel.compat_table import TABLE, TECHNIQUES
 
     cells = {f"{t}+{f}" for f in ("tp", "fsdp_tp") for t in TECHNIQUES if TABLE[t][f] is None and t != "chunked_ce"}
-    assert cells == {f"{t}+{f}" for t in ("keep_fp32", "checkpoint", "offload") for f in ("tp", "fsdp_tp")}
+    techniques = ("fp8", "keep_fp32", "checkpoint", "offload", "int8", "compile")
+    assert cells == {f"{t}+{f}" for t in techniques for f in ("tp", "fsdp_tp")}
     for seen in ranks:
-        assert set(seen["walk"]) == cells
-        for cell, got in seen["walk"].items():
+        walked = {k: v for k, v in seen["walk"].items() if "+" in k}
+        assert set(walked) == cells
+        for cell, got in walked.items():
             assert "error" not in got, (cell, got)
             assert got["grads"], cell
             assert "tensor_parallel" in got["steps"]
-            # keep_fp32 runs under bf16 autocast (the whole model too): a looser bound there.
-            assert got["loss"] == pytest.approx(got["want"], rel=1e-3 if cell.startswith("keep_fp32") else 1e-4), cell
+            # keep_fp32 and fp8 run under bf16 autocast (the whole model too): a looser bound there.
+            bf16 = cell.startswith(("keep_fp32", "fp8"))
+            assert got["loss"] == pytest.approx(got["want"], rel=1e-3 if bf16 else 1e-4), cell
+            if not bf16 and not cell.startswith("int8"):
+                assert got["grad_error"] < 1e-4, cell
+            # Then without grad, as validation runs (a compiled TP block once failed there): the same loss.
+            assert got["no_grad_loss"] == pytest.approx(got["loss"], rel=1e-5), cell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tp", "fsdp_tp"])
+def test_fp8_under_tp_runs_torchaos_float8_matmuls_on_the_shards_and_matches_the_fp8_model(ranks, family):
+    """FP8 without sequence parallelism: torchao's float8 plans on gloo, against the same FP8 model on one process."""
+    for seen in ranks:
+        got = seen["walk"][f"fp8+{family}"]
+        # Under FSDP2 (fsdp_tp) as the app converts: FSDP2 all-gathers the float8 weights over the data-parallel ranks.
+        assert got["fsdp_float8_all_gather"] == (family == "fsdp_tp")
+        assert got["float8_layers"] == 2 * 7  # q, k, v, o, gate, up, down of both blocks (the head stays bf16)
+        shapes = {tuple(s) for s in got["float8_mm_weights"]}
+        # torchao's float8 matmul ran on each rank's half of each weight, as (in, out) after its transpose: q (32 of
+        # 32 -> 16 of 32 outputs), k/v (8 of 16), o (16 of 32 inputs), gate/up (32 of 64 outputs), down (32 of 64
+        # inputs); never on a whole gate/up (32, 64) or down (64, 32).
+        assert {(32, 16), (32, 8), (16, 32), (32, 32)} <= shapes
+        assert not shapes & {(32, 64), (64, 32)}
+        # Within bf16 rounding of the whole FP8 model (its tensorwise scales are reduced over the shards: the same).
+        assert got["loss"] == pytest.approx(got["want"], rel=1e-3)
+        assert got["grad_error"] < 0.03  # measured 0.018 (bf16 partial sums added in another order)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_tp_without_sequence_parallelism_matches_a_whole_model(ranks, kind):
+    for seen in ranks:
+        got = seen["walk"][f"no_sequence_parallel_{kind}"]
+        assert not got["sequence_parallel"]
+        assert got["norms_plain"]  # the norms are replicated plain parameters, not sequence-parallel
+        assert got["loss"] == pytest.approx(got["want"], rel=1e-5)
+        assert got["grad_error"] < 1e-5
+
+
+@pytest.mark.slow
+def test_fp8_with_sequence_parallelism_is_refused_on_gloo_naming_the_key(ranks):
+    for seen in ranks:
+        message = seen["walk"]["fp8_sequence_parallel"]
+        assert "strategy.sequence_parallel" in message
+        assert "gloo" in message
+        assert "NCCL" in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tp", "fsdp_tp"])
+def test_int8_under_tp_compresses_each_local_shard_within_the_one_device_bound(ranks, family):
+    for seen in ranks:
+        got = seen["walk"][f"int8+{family}"]
+        assert got["n_compressed"] > 10  # the DTensor activations' local shards, not passed through
+        assert got["saved_by_dtype"].get("int8", 0) > 0  # what the graph keeps is int8 codes (+ fp32 scales)
+        assert got["loss"] == pytest.approx(got["want"], rel=1e-5)  # compression changes backward only
+        # The bound of tests/unit/transforms/test_compression.py on one device.
+        assert 0 < got["grad_error"] < 0.03
 
 
 @pytest.mark.parametrize(
@@ -319,3 +379,36 @@ def test_planned_per_rank_parameters_of_a_hf_model_under_tp_equal_the_real_split
     assert planned == 4 * got["local_elements"]  # fp32: 4 B per element this rank holds
     for seen in ranks[1:]:
         assert seen["hf_split"][arch]["local_elements"] == got["local_elements"]
+
+
+def test_preflight_refuses_fp8_with_sequence_parallelism_on_cpu_and_passes_it_without():
+    from lightning_trainopt.config.preflight import preflight_from_cfg
+
+    base = ["+strategy=tp", "model=gpt_tiny", "data=synthetic", "trainer=ddp_sim", "precision=fp8"]
+    with pytest.raises(IncompatibleConfigError, match="strategy.sequence_parallel") as err:
+        preflight_from_cfg(compose_config(base))
+    assert "sequence_parallel=false" in str(err.value)
+    preflight_from_cfg(compose_config([*base, "strategy.sequence_parallel=false"]))
+    with pytest.raises(IncompatibleConfigError, match="precision.recipe"):
+        preflight_from_cfg(compose_config([*base, "strategy.sequence_parallel=false", "precision.recipe=rowwise"]))
+
+
+def test_the_strategy_refuses_a_sequence_parallel_that_is_not_a_bool():
+    with pytest.raises(ConfigError, match="strategy.sequence_parallel"):
+        TrainOptTPStrategy(sequence_parallel="no")
+
+
+@RunIf(min_cuda_gpus=2, fp8=True)
+def test_fp8_with_sequence_parallelism_on_two_gpus_matches_the_fp8_model(tmp_path):
+    """NCCL all-gathers float8 activations: the composition refused on gloo, run on 2 GPUs with real FP8 GEMMs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    worker = ROOT / "tests" / "unit" / "parallel" / "_tp_worker.py"
+    done = subprocess.run([*cmd, str(worker), str(tmp_path), "nccl"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())["fp8_nccl"]
+        assert got["sequence_parallel"]
+        assert got["float8_mms"] > 0
+        assert got["loss"] == pytest.approx(got["want"], rel=1e-2)  # real FP8 GEMMs, bf16 partial sums
+        assert got["grad_error"] < 0.05
