@@ -296,6 +296,19 @@ class _Distillation:
             # The checkpoint holds no teacher: the strict load of the student gets the live teacher's tensors.
             state.update({_TEACHER + k: v for k, v in self.teacher.state_dict().items()})
 
+    @contextlib.contextmanager
+    def excluded_from_checkpoint(self) -> Iterator[None]:
+        """While inside, the module has no teacher: a sharded checkpoint (DCP) is loaded into the student alone."""
+        teacher = self.teacher
+        if teacher is None:
+            yield
+            return
+        delattr(self, "teacher")
+        try:
+            yield
+        finally:
+            self.teacher = teacher
+
     def teacher_forward_flops(self, samples: int, seq_len: int) -> int:
         """The teacher's forward FLOPs for a ``(samples, seq_len)`` batch: work SpeedMonitor's MFU counts."""
         cfg = self.distill_source.config
