@@ -8,7 +8,7 @@ Three ``python train.py`` runs on the standard-library corpus (``data=stdlib_tex
 
 Both students' validation cross-entropy (``val_loss``: the student's CE in both runs) is read from their CSV logs,
 printed as a table and plotted in one figure (``bench/distill_demo.png``; without matplotlib the table alone, and a
-line says so). ``python bench/distill_demo.py [--steps 60] [--teacher-steps 150] [--out DIR]``
+line says so). ``python bench/distill_demo.py [--steps 30] [--teacher-steps 60] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def _val_curve(run_dir: Path) -> list[tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--teacher-steps", type=int, default=150)
-    parser.add_argument("--every", type=int, default=15, help="validate every N steps")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--teacher-steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=10, help="validate the students every N steps")
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/distill_demo"))
@@ -71,7 +71,8 @@ def main() -> None:
     val = [f"trainer.val_check_interval={a.every}", "trainer.check_val_every_n_epoch=null"]
     teacher_dir = a.out / "teacher"
     if not (teacher_dir / "checkpoints" / "last.ckpt").is_file():
-        t_metrics, t_sec = _train(["task_name=teacher", *TEACHER, f"trainer.max_steps={a.teacher_steps}", *val],
+        t_val = [f"trainer.val_check_interval={a.teacher_steps}", "trainer.check_val_every_n_epoch=null"]
+        t_metrics, t_sec = _train(["task_name=teacher", *TEACHER, f"trainer.max_steps={a.teacher_steps}", *t_val],
                                   teacher_dir)  # fmt: skip
         print(f"teacher: {t_metrics['n_params']:,} params, {a.teacher_steps} steps, val_loss "
               f"{t_metrics['val_loss']:.4f}, {t_sec:.0f} s")  # fmt: skip

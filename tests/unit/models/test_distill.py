@@ -136,3 +136,20 @@ def test_vocabulary_mismatch_is_refused(teacher_ckpt: Path, tmp_path: Path) -> N
         check_teacher_vocab(GPTConfig(vocab_size=512), 512, source)
     with pytest.raises(ConfigError, match="no such file"):
         teacher_source(str(tmp_path / "missing.ckpt"))
+
+
+def test_speed_monitor_counts_the_teachers_forward(teacher_ckpt: Path) -> None:
+    from lightning_trainopt.callbacks.speed_monitor import _with_teacher_flops
+    from lightning_trainopt.metrics.flops import transformer_flops
+    from lightning_trainopt.metrics.throughput import BatchSize
+
+    module = DistillGPT(STUDENT, teacher_source(str(teacher_ckpt)), DistillSpec(str(teacher_ckpt)))
+    student = transformer_flops(STUDENT, 16, 4)
+    teacher = transformer_flops(TEACHER, 16, 4).forward
+    assert module.teacher_forward_flops(4, 16) == teacher
+    shape = BatchSize(samples=4, tokens=64, seq_len=16)
+    got = _with_teacher_flops((student.train, student.hardware_train()), module, shape, user_fn=False)
+    assert got == (student.train + teacher, student.hardware_train() + teacher)
+    # A user's flops_per_batch_fn is the whole count; a module without a teacher is unchanged.
+    assert _with_teacher_flops((7, 9), module, shape, user_fn=True) == (7, 9)
+    assert _with_teacher_flops((7, 9), LitGPT(STUDENT), shape, user_fn=False) == (7, 9)
