@@ -241,6 +241,10 @@ class _Distillation:
                 hidden = self.teacher(input_ids)
             else:
                 hidden = self.teacher(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(hidden, DTensor):  # a tensor-parallel teacher's replicated output
+            hidden = hidden.full_tensor()
         return TeacherOutputs(hidden.detach(), got["weight"], got.get("bias"))
 
     def _distill_batch_loss(self, batch: Any, student_loss: Callable[[Any], Any]) -> Any:

@@ -287,6 +287,12 @@ def distillation_loss(
     return DistillTerms(loss, ce.detach(), kl.detach())
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 @dataclass(frozen=True)
 class TeacherOutputs:
     """What the teacher's forward left for the student's head loss: its hidden states and its (gathered) head.
@@ -357,14 +363,20 @@ class DistillHeadLoss:
         if self._teacher is None:
             raise RuntimeError("DistillHeadLoss needs the teacher's outputs: call it inside teacher_batch(...).")
         t = self._teacher
+        weight, bias = head_weight(head, self.name), getattr(head, "bias", None)
+        # Tensor parallelism: the student's head is sharded over the vocabulary and its input replicated. The KL
+        # needs each token's whole distribution, so the head is gathered (full_tensor is differentiable: each rank
+        # keeps its shard of the gradient); the vocabulary-parallel chunked KL is not written yet.
+        hidden, weight = _whole(hidden), _whole(weight)
+        bias = None if bias is None else _whole(bias)
         t_hidden = t.hidden[:, : hidden.shape[1]] if t.hidden.dim() == 3 and hidden.dim() == 3 else t.hidden
         terms = chunked_distillation_loss(
             hidden,
-            head_weight(head, self.name),
+            weight,
             t_hidden,
             t.weight,
             targets,
-            bias=getattr(head, "bias", None),
+            bias=bias,
             teacher_bias=t.bias,
             alpha=self.alpha,
             temperature=self.temperature,
