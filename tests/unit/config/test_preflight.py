@@ -296,3 +296,15 @@ def test_non_finite_guard_skip_is_read_from_the_callbacks_node():
     stop = ["callbacks.non_finite_guard.policy=stop", "trainer.accelerator=cpu"]
     cfg = compose_config(["+strategy=zero2", "callbacks=[non_finite_guard]", *stop])
     assert preflight_from_cfg(cfg) == []
+
+
+def test_distillation_under_tensor_parallelism_is_refused_and_under_fsdp_it_is_not(tmp_path):
+    from tests.helpers.compose import compose_config
+
+    teacher = str(tmp_path / "teacher.ckpt")  # pre-flight runs before the teacher is read
+    common = ["experiment=distill", f"distill.teacher={teacher}", "trainer=ddp_sim"]
+    with pytest.raises(IncompatibleConfigError) as refused:
+        preflight_from_cfg(compose_config([*common, "+strategy=tp"]))
+    assert "distill" in str(refused.value)
+    assert "+strategy=fsdp" in str(refused.value)
+    preflight_from_cfg(compose_config([*common, "+strategy=fsdp"]))
