@@ -36,6 +36,7 @@ __all__ = [
     "adapter_state_dict",
     "apply_adapter",
     "base_state_hash",
+    "check_targets",
     "default_target_modules",
     "describe",
     "frozen_base_names",
@@ -179,12 +180,30 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec) -> AdapterReport:
         MissingDependencyError: peft (or, for QLoRA, bitsandbytes) is not installed.
     """
     inner = inner_model(model)
-    targets = spec.target_modules or default_target_modules(model)
-    report = AdapterReport(kind=spec.kind, targets=targets)
     if not spec.enabled:
-        return report
+        return AdapterReport(kind=spec.kind, targets=())
     if is_adapter_model(inner):
-        return _count(report, model)
+        return _count(AdapterReport(kind=spec.kind, targets=spec.target_modules or ()), model)
+    targets = check_targets(model, spec)
+    report = AdapterReport(kind=spec.kind, targets=targets)
+    if spec.kind == "qlora":
+        report.quantized = _quantize_4bit(inner, targets, spec)
+    _inject_lora(inner, targets, spec)
+    report.adapted = [name for name, module in inner.named_modules() if _is_lora_layer(module)]
+    return _count(report, model)
+
+
+def check_targets(model: nn.Module, spec: AdapterSpec) -> tuple[str, ...]:
+    """The target names ``spec`` adapts on ``model`` (its own, else the architecture's defaults), each checked to
+    match a linear layer. Works on a model built on the meta device, so pre-flight can call it before any process
+    starts.
+
+    Raises:
+        ConfigError: an architecture without defaults, or a target that matches no linear layer (both naming
+            ``adapter.target_modules`` and listing the model's linear layers).
+    """
+    inner = inner_model(model)
+    targets = spec.target_modules or default_target_modules(model)
     matched = [name for name, _ in _target_layers(inner, targets)]
     missing = [t for t in targets if not any(_matches(name, t) for name in matched)]
     if missing:
@@ -194,11 +213,7 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec) -> AdapterReport:
             list(targets),
             f"{missing} match no linear layer of {type(inner).__name__}; pick among {names}.",
         )
-    if spec.kind == "qlora":
-        report.quantized = _quantize_4bit(inner, targets, spec)
-    _inject_lora(inner, targets, spec)
-    report.adapted = [name for name, module in inner.named_modules() if _is_lora_layer(module)]
-    return _count(report, model)
+    return targets
 
 
 def is_adapter_model(model: nn.Module) -> bool:
@@ -275,7 +290,7 @@ def _inject_lora(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec) 
     conv1d = any(type(m).__name__ == "Conv1D" for _, m in _target_layers(model, targets))
     config = LoraConfig(
         r=spec.r,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft annotates int; it divides by r, a float works
         lora_dropout=spec.dropout,
         target_modules=list(targets),
         bias="none",
@@ -302,6 +317,7 @@ def _quantize_4bit(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec
     quantized = []
     for name, layer in _target_layers(model, targets):
         weight = layer.weight
+        assert isinstance(weight, torch.Tensor)
         if weight.is_meta:
             raise ConfigError(
                 "adapter.kind",
