@@ -519,7 +519,7 @@ def check_adapter_table(adapter: str, family: str | None, preset: str) -> None:
 
 def adapter_kind(cfg: Any) -> str:
     """``adapter.kind`` of a composed config (``none`` without an ``adapter`` group)."""
-    node = cfg.get("adapter") if hasattr(cfg, "get") else None
+    node: Any = cfg.get("adapter") if hasattr(cfg, "get") else None
     return str(node.get("kind", "none")) if hasattr(node, "get") else "none"
 
 

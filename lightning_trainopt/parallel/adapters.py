@@ -54,8 +54,9 @@ def _is_lora_layer(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, name, None), nn.Module) for name in ("base_layer", "lora_A", "lora_B"))
 
 
-def adapter_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(name, layer)`` of each peft LoRA layer of ``model``."""
+def adapter_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(name, layer)`` of each peft LoRA layer of ``model`` (typed ``Any``: peft's layers are mixins whose
+    attributes nn.Module's type does not declare)."""
     for name, module in model.named_modules():
         if _is_lora_layer(module):
             yield name, module
@@ -78,7 +79,7 @@ def adapter_tp_plan(layer: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, style in plan.items():
-        module = layer.get_submodule(name)
+        module: Any = layer.get_submodule(name)
         if not _is_lora_layer(module):
             out[name] = style
             continue
@@ -151,7 +152,7 @@ def prepare_4bit_for_fsdp2(model: nn.Module) -> int:
     count = 0
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if type(weight).__name__ != "Params4bit":
+        if weight is None or type(weight).__name__ != "Params4bit":
             continue
         storage = weight.dtype
         if storage not in _FLOAT_STORAGE:

@@ -1,15 +1,16 @@
 """Multi-process worker for tests/integration/test_adapter_sharding.py (run as a script, 2 CPU processes, gloo).
 
 Usage: python tests/integration/_adapter_sharding_worker.py OUT_JSON CASE [CASE ...]
-  CASE: STRATEGY:ADAPTER, e.g. ``zero3:lora``; STRATEGY: ddp | zero2 | zero3 | fsdp | tp; ADAPTER: lora | qlora.
-Each case fits a tiny GPT with the adapter for 2 steps, saves a checkpoint, then resumes it in a second fit for 2
-more steps; all cases run one after another in one pair of processes. The optimizer is SGD with momentum: its update
-is linear in the gradient, so the fits' losses can be compared closely with a one-process replay (Adam's first steps
-amplify rounding). Rank 0 replays the same global batches on one process (the same seed's model and adapter, from the
-fit's starting weights) and writes, per case: the fits' losses and the replay's, whether any frozen parameter
-changed, the optimizer-state and trainable element counts, whether the resumed fit started from the saved adapters
-and step, and the adapters' ``lora_B`` norm at the start (peft initialises it to zero). A case that raises ends the
-launch; the cases before it are written.
+  CASE: STRATEGY:ADAPTER[:resume], e.g. ``zero3:lora:resume``; STRATEGY: ddp | zero2 | zero3 | fsdp | tp;
+  ADAPTER: lora | qlora.
+Each case fits a tiny GPT with the adapter for 4 steps (with ``resume``: 2 steps, a checkpoint, and a second fit that
+resumes it for 2 more); all cases run one after another in one pair of processes. The optimizer is SGD with momentum:
+its update is linear in the gradient, so the fits' losses can be compared closely with a one-process replay (Adam's
+first steps amplify rounding). Rank 0 replays the same global batches on one process (the same seed's model and adapter,
+from the fit's starting weights) and writes, per case: the fits' losses and the replay's, whether any frozen parameter
+changed, the optimizer-state and trainable element counts, whether the resumed fit started from the saved adapters and
+step, and the adapters' ``lora_B`` norm at the start (peft initialises it to zero). A case that raises ends the launch;
+the cases before it are written.
 """
 
 from __future__ import annotations
@@ -229,21 +230,30 @@ def _next_process_group() -> None:
 
 
 def run_case(case: str, folder: str) -> dict[str, Any]:
-    strategy, adapter = case.split(":")
-    ckpt = os.path.join(folder, case.replace(":", "_") + ".ckpt")
-    first = _fit(strategy, adapter, 2, None, ckpt)
-    _next_process_group()
-    second = _fit(strategy, adapter, 4, ckpt, None)
+    strategy, adapter, *resume = case.split(":")
+    if resume:
+        ckpt = os.path.join(folder, case.replace(":", "_") + ".ckpt")
+        first = _fit(strategy, adapter, 2, None, ckpt)
+        _next_process_group()
+        second = _fit(strategy, adapter, 4, ckpt, None)
+    else:
+        first = second = _fit(strategy, adapter, 4, None, None)
     resumed_from_saved = _same(first.adapters_end, second.adapters_start)
     replay, same_base = (
-        _replay(adapter, first.batches + second.batches, first.adapters_start, first.frozen_before, adapter == "lora")
+        _replay(
+            adapter,
+            first.batches + second.batches if resume else first.batches,
+            first.adapters_start,
+            first.frozen_before,
+            adapter == "lora",
+        )
         if torch.distributed.get_rank() == 0
         else ([], False)
     )
     b_norm = sum(float(p.float().norm()) for n, p in first.adapters_start.items() if "lora_B" in n)
     _next_process_group()
     return {
-        "losses": first.losses + second.losses,
+        "losses": first.losses + second.losses if resume else first.losses,
         "replay": replay,
         "replay_same_base": same_base,
         "frozen_changed": [first.frozen_changed, second.frozen_changed],

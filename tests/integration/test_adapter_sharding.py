@@ -1,12 +1,12 @@
 """LoRA and QLoRA under ZeRO-2, ZeRO-3, FSDP2 and tensor parallelism: 2 gloo processes, real fits (issue #22).
 
-One spawned worker (``_adapter_sharding_worker.py``) fits each case twice (2 steps, checkpoint, resume for 2 more) and
-replays the same global batches on one process from the fit's starting weights. Each case must: match the replay's
-loss at every step (the adapters' gradients are reduced and applied as on one device), learn (the replay's first
-batch scores lower after the steps), keep every frozen weight byte for byte, hold optimizer state for the adapters
+One spawned worker (``_adapter_sharding_worker.py``) fits each case (4 steps; or 2 steps, a checkpoint and a resume for
+2 more) and replays the same global batches on one process from the fit's starting weights. Each case must: match the
+replay's loss at every step (the adapters' gradients are reduced and applied as on one device), learn (the replay's
+first batch scores lower after the steps), keep every frozen weight byte for byte, hold optimizer state for the adapters
 only, start with ``lora_B`` at zero (peft's init, which ZeRO-3's ``zero.Init`` used to lose, peft #2916), and resume
-from the saved adapters at the saved step (DeepSpeed checkpoints hold the frozen weights too, DeepSpeed #3090).
-DDP is the plain case and is covered by the adapter core's own tests.
+from the saved adapters at the saved step (DeepSpeed checkpoints hold the frozen weights too, DeepSpeed #3090). DDP is
+the plain case and is covered by the adapter core's own tests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("_adapter_sharding_worker.py")
-CASES = ("zero2:lora", "zero3:lora", "fsdp:qlora", "tp:lora")
+# Resumed where the checkpoint's frozen weights are in question (ZeRO-3's partitions, FSDP2's 4-bit shards); each
+# resume costs a second fit (~20 s on the shared CI CPUs).
+CASES = ("zero2:lora", "zero3:lora:resume", "fsdp:qlora:resume", "tp:lora")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -61,5 +63,6 @@ def test_adapter_state_and_resume(results: dict, case: str) -> None:
     assert got["frozen_numel"] > 2 * got["trainable_numel"], case
     # optimizer state for exactly the adapters (ZeRO's flat partitions may pad; here they divide evenly)
     assert got["state_numel"] == got["trainable_numel"], case
-    assert got["resumed_step"] == 2, case
-    assert got["resumed_from_saved"], case
+    if case.endswith(":resume"):
+        assert got["resumed_step"] == 2, case
+        assert got["resumed_from_saved"], case
