@@ -24,8 +24,10 @@ deepspeed 0.19.8):
   base's construction and its re-run init); a pretrained base is read from its files and is the same.
 * **FSDP2 with QLoRA** (:func:`prepare_4bit_for_fsdp2`): the 4-bit weights must be stored in a float type
   (``quant_storage``) for ``fully_shard`` to shard and all-gather them as plain storage; bitsandbytes restores each
-  layer's quantisation state from the module after the all-gather. Its CPU path repacks a weight in place for
-  inference (eval mode, no grad), which would rewrite the all-gathered storage FSDP2 owns: it is turned off.
+  layer's quantisation state from the module after the all-gather (``Linear4bit.quant_state``, which is set here where
+  the quantization did not set it: without it the first forward fails with "quant_state is required"). Its CPU path
+  repacks a weight in place for inference (eval mode, no grad), which would rewrite the all-gathered storage FSDP2
+  owns: it is turned off.
 """
 
 from __future__ import annotations
@@ -139,8 +141,9 @@ def restore_adapter_init(model: nn.Module, existing: set[int] | frozenset[int] =
 
 
 def prepare_4bit_for_fsdp2(model: nn.Module) -> int:
-    """Check that every bitsandbytes 4-bit weight of ``model`` is stored in a float type and turn off bitsandbytes'
-    in-place CPU repacking of the weights FSDP2 all-gathers (see the module docstring).
+    """Check that every bitsandbytes 4-bit weight of ``model`` is stored in a float type, keep each layer's
+    quantization state on the layer for after FSDP2's all-gather, and turn off bitsandbytes' in-place CPU repacking of
+    the weights FSDP2 all-gathers (see the module docstring).
 
     Returns:
         the number of 4-bit layers.
@@ -162,6 +165,10 @@ def prepare_4bit_for_fsdp2(model: nn.Module) -> int:
                 f"FSDP2 shards and all-gathers the 4-bit weights as plain float storage, and {name} stores them as "
                 f"{storage}; use adapter.quant_storage=bfloat16 (the qlora preset's default).",
             )
+        if getattr(module, "quant_state", None) is None:
+            # Where bitsandbytes looks for the quantization state once FSDP2's all-gather has handed the layer a
+            # plain tensor (it is set there only when the weight was quantized with ``module=`` given).
+            module.quant_state = weight.quant_state
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
         count += 1

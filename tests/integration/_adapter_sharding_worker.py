@@ -31,54 +31,22 @@ from lightning_trainopt.data.datamodule import TextDataModule  # noqa: E402
 from lightning_trainopt.launch.multirun import teardown_distributed  # noqa: E402
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
+from lightning_trainopt.parallel.apply import RewritePlan, rewrite_at_configure_model  # noqa: E402
+from lightning_trainopt.transforms.adapters import AdapterSpec  # noqa: E402
 
 CFG = GPTConfig(name="worker", vocab_size=64, n_layers=2, d_model=64, n_heads=2, ffn_hidden=128, max_seq_len=32)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MICRO = 2
 LR = 0.5
 
 
-def inject(model: torch.nn.Module, adapter: str) -> None:
-    """The adapter, as the app's step 1 injects it: QLoRA quantizes the targeted linear layers to NF4 stored as
-    bf16, then peft wraps them."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    if adapter == "qlora":
-        import bitsandbytes as bnb
-
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is torch.nn.Linear and name in TARGETS:
-                    layer = bnb.nn.Linear4bit(
-                        child.in_features,
-                        child.out_features,
-                        bias=False,
-                        compute_dtype=torch.bfloat16,
-                        quant_type="nf4",
-                        quant_storage=torch.bfloat16,
-                    )
-                    layer.weight = bnb.nn.Params4bit(
-                        child.weight.data.to(torch.bfloat16),
-                        requires_grad=False,
-                        quant_type="nf4",
-                        quant_storage=torch.bfloat16,
-                        module=layer,
-                    )
-                    layer.weight._quantize("cpu")
-                    setattr(parent, name, layer)
-    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS), model)
-
-
 class AdapterGPT(LitGPT):
+    """LitGPT with the adapter applied as the app applies it: step 1 of the ordered rewrite, at ``configure_model``
+    (under FSDP2/TP the strategy then builds the model whole, not on the meta device)."""
+
     def __init__(self, adapter: str) -> None:
         super().__init__(CFG, optimizer=partial(torch.optim.SGD, lr=LR, momentum=0.9))
-        self.adapter = adapter
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        super().configure_model()
-        inject(self.model, self.adapter)
+        spec = AdapterSpec(kind=adapter, r=4, alpha=8, dropout=0.0)  # type: ignore[arg-type]
+        rewrite_at_configure_model(self, RewritePlan(adapter=spec))
 
 
 def gathered(module: torch.nn.Module, zero3: bool, trainable: bool) -> dict[str, torch.Tensor]:
@@ -144,11 +112,11 @@ def _strategy(name: str) -> Any:
     if name == "fsdp":
         from lightning_trainopt.parallel import TrainOptFSDPStrategy
 
-        return TrainOptFSDPStrategy(meta_init=False)
+        return TrainOptFSDPStrategy()
     if name == "tp":
         from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy
 
-        return TrainOptTPStrategy(tensor_parallel_size=2, meta_init=False)
+        return TrainOptTPStrategy(tensor_parallel_size=2)
     from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy
 
     return TrainOptDeepSpeedStrategy(stage=int(name[-1]), preset=name)

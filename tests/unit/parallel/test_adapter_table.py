@@ -119,7 +119,7 @@ def test_prepare_4bit_for_fsdp2_refuses_integer_storage_and_turns_off_cpu_repack
     def layer(storage: torch.dtype) -> torch.nn.Module:
         linear = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_storage=storage)
         linear.weight = bnb.nn.Params4bit(
-            torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False, quant_storage=storage, module=linear
+            torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False, quant_storage=storage
         )
         linear.weight._quantize("cpu")
         return torch.nn.Sequential(linear)
@@ -127,5 +127,6 @@ def test_prepare_4bit_for_fsdp2_refuses_integer_storage_and_turns_off_cpu_repack
     ok = layer(torch.bfloat16)
     assert prepare_4bit_for_fsdp2(ok) == 1
     assert ok[0].support_avx512bf16_for_cpu is False
+    assert ok[0].quant_state is ok[0].weight.quant_state  # bitsandbytes' recovery after FSDP2's all-gather
     with pytest.raises(ConfigError, match=r"adapter.quant_storage.*uint8.*quant_storage=bfloat16"):
         prepare_4bit_for_fsdp2(layer(torch.uint8))
