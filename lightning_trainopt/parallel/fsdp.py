@@ -29,8 +29,7 @@ __all__ = ["TrainOptFSDPStrategy", "apply_fully_shard", "block_classes"]
 
 def _adapter_planned(module: pl.LightningModule) -> bool:
     """The app's rewrite installed on ``module`` injects LoRA/QLoRA adapters."""
-    adapter = getattr(planned_rewrite(module), "adapter", None)
-    return adapter is not None and getattr(adapter, "kind", "none") != "none"
+    return bool(getattr(getattr(planned_rewrite(module), "adapter", None), "enabled", False))
 
 
 @contextlib.contextmanager
