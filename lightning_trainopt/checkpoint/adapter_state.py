@@ -45,6 +45,10 @@ def strip_frozen_base(module: Any, checkpoint: dict[str, Any], spec: AdapterSpec
     if not isinstance(state, dict):
         return
     base = frozen_base_names(module)
+    # FSDP2/TP checkpoints are sharded (each rank writes its shards) and Lightning's loader asks the files for every
+    # key of the sharded model: the base stays there, an N-th of it per rank.
+    if any(hasattr(value, "to_local") for value in state.values()):
+        base = []
     for key in base:
         state.pop(key, None)
     hparams = dict(getattr(module, "hparams", {}) or {})
@@ -90,7 +94,9 @@ def restore_frozen_base(module: Any, checkpoint: dict[str, Any]) -> None:
             f"model.pretrained and seed of the run that wrote it (seed {rebuild.get('seed')}, model "
             f"{rebuild.get('model')}).",
         )
-    state = checkpoint.get("state_dict", {})
+    state = checkpoint.get("state_dict")
+    if state is None:  # a sharded checkpoint (FSDP2/TP, DeepSpeed): the strategy loads the model from its files
+        return
     missing = sorted(set(adapter_state_dict(module)) - set(state))
     if missing:
         raise ConfigError(

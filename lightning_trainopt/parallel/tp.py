@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_trainopt._compat.torch_internals import head_colwise_parallel
 from lightning_trainopt.exceptions import IncompatibleConfigError
+from lightning_trainopt.parallel.adapters import adapter_tp_plan
 from lightning_trainopt.planner.tp_shape import TP_HF_ARCHITECTURES, TPShape, tp_divisibility_errors
 
 __all__ = [
@@ -211,6 +212,9 @@ def apply_tensor_parallel(
     if float8 and sequence_parallel:
         check_float8_sequence_parallel(tp_mesh)
     tied = _tied(model, embed, head)
+    # SequenceParallel replaces a norm's weight by a new Parameter that requires grad: a frozen base (LoRA) must stay
+    # frozen, so what was frozen is frozen again below.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     if sequence_parallel:
         top, block_plan = _sequence_parallel_plans(arch, names, colwise, rowwise, prepare_input)
     else:
@@ -219,7 +223,8 @@ def apply_tensor_parallel(
     model.get_submodule(embed).register_forward_hook(_settled_output)
     layers: Any = model.get_submodule(blocks)  # an nn.ModuleList
     for layer in layers:
-        parallelize_module(layer, tp_mesh, block_plan)
+        # A peft LoRA layer in place of a linear layer: its base and adapters get their own styles.
+        parallelize_module(layer, tp_mesh, adapter_tp_plan(layer, block_plan))
         if arch == "gpt":  # each rank computes its own heads
             layer.get_submodule(attn).n_heads //= tp
             layer.get_submodule(attn).kv_heads //= tp
@@ -227,6 +232,9 @@ def apply_tensor_parallel(
         # Row-parallel embedding and column-parallel head both shard the (vocab, d_model) matrix on dimension 0:
         # one DTensor serves both, as the tie did before (parallelize_module made a second Parameter of it).
         model.get_submodule(head).weight = model.get_submodule(embed).weight
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     return TPReport(
         architecture=arch,
         tp=tp,

@@ -249,13 +249,23 @@ def base_state_hash(model: nn.Module) -> str:
     that hold the same weights, so a resume can tell that the base it rebuilt is the one the adapter was trained on."""
     digest = hashlib.sha256()
     state = model.state_dict()
+    sharded = False
     for key in sorted(frozen_base_names(model)):
         value = state[key]
         digest.update(key.encode())
         if isinstance(value, torch.Tensor):
-            tensor = value.detach().to("cpu").contiguous()
+            tensor = value.detach()
+            if hasattr(tensor, "to_local"):  # FSDP2/TP: this rank's shard (the whole would be gathered on every rank)
+                tensor, sharded = tensor.to_local(), True
+            tensor = tensor.to("cpu").contiguous()
             digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
             digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    if sharded and torch.distributed.is_initialized():
+        # Every rank hashes its shards; the base's hash is that of all ranks' hashes, the same on every rank (the
+        # checkpoint hooks that call this run on every rank).
+        ranks: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, digest.hexdigest())
+        return hashlib.sha256("".join(ranks).encode()).hexdigest()
     return digest.hexdigest()
 
 

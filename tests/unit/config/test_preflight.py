@@ -13,7 +13,7 @@ from lightning_trainopt.config.preflight import (
     size_advice,
 )
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
-from lightning_trainopt.parallel.compat_table import TABLE
+from lightning_trainopt.parallel.compat_table import ADAPTER_TABLE, TABLE
 from lightning_trainopt.parallel.spec import parse_strategy
 
 
@@ -267,6 +267,7 @@ def test_preflight_from_cfg_reads_the_tree():
 def test_matrix_lists_every_rule():
     table = compatibility_matrix_markdown()
     refused = sum(refusal is not None for row in TABLE.values() for refusal in row.values())
+    refused += sum(refusal is not None for row in ADAPTER_TABLE.values() for refusal in row.values())
     assert table.count("\n") == len(RULES) + 1 + refused
     for rule in RULES:
         assert rule.combination in table
