@@ -245,3 +245,78 @@ def test_a_directory_that_is_no_checkpoint_is_named(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(ConfigError, match="neither a DeepSpeed checkpoint"):
         export_checkpoint(tmp_path / "x", tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``zero3.ckpt/`` and ``fsdp2.ckpt/`` from one 2-process run (one step each), ``single.ckpt`` from the same step on
+    this process."""
+    import subprocess
+    import sys
+
+    from tests.helpers.compose import REPO_ROOT
+    from tests.helpers.env import child_env
+    from tests.unit.checkpoint._export_worker import fit
+
+    out = tmp_path_factory.mktemp("sharded")
+    worker = Path(__file__).with_name("_export_worker.py")
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(out)],
+        cwd=REPO_ROOT,
+        env=child_env(REPO_ROOT),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("zero3", "fsdp2"):
+        for rank in (0, 1):
+            assert f"rank {rank}: {name} saved step 1" in proc.stdout, proc.stdout[-3000:]
+    fit("single", str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_zero3_and_fsdp2_shards_merge_to_what_a_single_process_run_merges(sharded, tmp_path):
+    from lightning_trainopt.checkpoint.dcp import is_dcp_checkpoint
+    from tests.unit.checkpoint._export_worker import ALPHA as WORKER_ALPHA
+
+    assert is_dcp_checkpoint(sharded / "fsdp2.ckpt")
+    assert (sharded / "zero3.ckpt" / "checkpoint").is_dir()
+    merged = {}
+    for name in ("single", "zero3", "fsdp2"):
+        report = export_checkpoint(sharded / f"{name}.ckpt", tmp_path / name, "state_dict", lora_alpha=WORKER_ALPHA)
+        assert report.adapted_modules == 2 * len(TARGETS)
+        merged[name] = torch.load(tmp_path / name / "state_dict.pt", weights_only=True)
+    saved = torch.load(sharded / "single.ckpt", weights_only=False)["state_dict"]
+    base = {k.removeprefix("model.").replace(".base_layer", ""): v for k, v in saved.items() if "lora_" not in k}
+    assert merged["single"].keys() == base.keys()
+    assert not torch.allclose(merged["single"]["blocks.0.attn.v_proj.weight"], base["blocks.0.attn.v_proj.weight"])
+    for name in ("zero3", "fsdp2"):
+        assert merged[name].keys() == base.keys()
+        for key, tensor in merged["single"].items():
+            # The same step on the same 4 sequences, the gradient summed over 2 ranks instead of 1: fp32 rounding.
+            torch.testing.assert_close(merged[name][key], tensor, rtol=0, atol=1e-6, msg=f"{name}: {key}")
+
+    # The adapter alone from the ZeRO-3 shards (its trainable partitions), as the single run holds it.
+    export_checkpoint(sharded / "zero3.ckpt", tmp_path / "peft", "peft", lora_alpha=WORKER_ALPHA)
+    from safetensors.torch import load_file
+
+    adapter = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    for key, tensor in saved.items():
+        if "lora_" in key:
+            name = "base_model.model." + key.removeprefix("model.").replace(".default", "")
+            torch.testing.assert_close(adapter[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_a_truncated_rank_file_of_a_sharded_checkpoint_is_refused(sharded, tmp_path, capsys):
+    import shutil
+
+    cut = tmp_path / "fsdp2.ckpt"
+    shutil.copytree(sharded / "fsdp2.ckpt", cut)
+    part = cut / "__1_0.distcp"
+    part.write_bytes(part.read_bytes()[:100])
+    err = _refused([str(cut), "--out", str(tmp_path / "out"), "--lora-alpha", "16"], capsys)
+    assert "__1_0.distcp" in err
+    assert "truncated" in err
