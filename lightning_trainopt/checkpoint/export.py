@@ -121,6 +121,9 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint's weights (keyed like the model's ``state_dict()``) and its hyper-parameters."""
     if is_dcp_checkpoint(path):
         state, hyper = _read_dcp(path, None)
+        recorded = lightning_state(path).get("adapter")
+        if isinstance(recorded, dict):
+            hyper.setdefault("adapter", recorded)
     elif path.is_dir():
         state, hyper = _read_zero(path, None)
     else:
@@ -136,20 +139,22 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
                 "the file holds no Lightning state_dict; give a checkpoint Trainer wrote.",
             )
         state, hyper = _strip(full["state_dict"]), dict(full.get("hyper_parameters") or {})
+        if isinstance(full.get("adapter"), dict):  # recorded next to the state dict rather than as a hyper-parameter
+            hyper.setdefault("adapter", full["adapter"])
     # A get_peft_model wrapper's names; the rebuilt model carries the adapters in place.
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in state.items()}, hyper
 
 
-def dequantize_4bit_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+def dequantize_4bit_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``state`` with every bitsandbytes 4-bit weight (its packed tensor and ``weight.<part>`` quantization state)
-    replaced by the dequantized float32 weight; and how many were dequantized.
+    replaced by the dequantized float32 weight (``nn.Linear``'s (out, in) layout); and the keys dequantized.
 
     Raises:
         MissingDependencyError: a 4-bit weight and bitsandbytes is not installed.
     """
     found = [m.group("weight") for key in state if (m := _QUANT_STATE.match(key))]
     if not found:
-        return state, 0
+        return state, []
     from lightning_trainopt.exceptions import MissingDependencyError
 
     try:
@@ -163,7 +168,20 @@ def dequantize_4bit_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, tor
         # quant_storage (bf16 so that FSDP2 can shard it) only re-types the packed bytes.
         packed = out[weight].contiguous().view(torch.uint8).reshape(-1, 1)
         out[weight] = dequantize_4bit(packed, quant_state).float()
-    return out, len(found)
+    return out, found
+
+
+def _to_model_layout(
+    state: dict[str, torch.Tensor], model: torch.nn.Module, keys: list[str]
+) -> dict[str, torch.Tensor]:
+    """Dequantized weights of GPT-2's ``Conv1D`` layers transposed back to its (in, out) layout: QLoRA stored them
+    in a ``Linear4bit``, which holds ``nn.Linear``'s (out, in)."""
+    out = dict(state)
+    for key in keys:
+        owner = key.replace(".base_layer.", ".").rsplit(".", 1)[0]
+        if type(model.get_submodule(owner)).__name__ == "Conv1D":
+            out[key] = out[key].t().contiguous()
+    return out
 
 
 def _split_adapter(state: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str | None]:
@@ -296,10 +314,26 @@ def merge_lora(
         return {k.replace(".base_layer.", "."): v for k, v in merged.items()}
     from peft.tuners.lora import LoraModel
 
+    if any(type(m).__name__ == "Conv1D" for n, m in model.named_modules() if n in config.target_modules):
+        config.fan_in_fan_out = True  # GPT-2's layers store (in, out); peft would set it itself, with a warning
     lora = LoraModel(model, config, adapter)
     _restore_tied(lora.model, state)
+    shared = _shared_parameters(lora.model)
     lora.model.load_state_dict(state, strict=True, assign=True)
+    # assign=True gives each name its own Parameter; tie them again (a tied head stays tied in the merged model).
+    for first, *others in shared:
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(lora.model.get_submodule(owner), attr, lora.model.get_parameter(first))
     return dict(lora.merge_and_unload().state_dict())
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules share (a tied output head and embedding)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _write_peft(out: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], config: Any, dtype: torch.dtype) -> int:
@@ -400,9 +434,18 @@ def export_checkpoint(
         target = next(
             (t.dtype for k, t in state.items() if t.is_floating_point() and not _LORA.match(k)), torch.float32
         )
-    dequantized = 0
+    dequantized: list[str] = []
     if format != "peft":
         state, dequantized = dequantize_4bit_state(state)
+    recorded_kind = (hyper.get("adapter") or {}).get("kind") if isinstance(hyper.get("adapter"), dict) else None
+    if recorded_kind == "qlora" and format != "peft" and not dequantized:
+        raise ConfigError(
+            "checkpoint",
+            os.fspath(path),
+            "is of an adapter=qlora run but holds no bitsandbytes quantization state (weight.absmax, "
+            "weight.quant_state.*) to dequantize its 4-bit base with; export the adapter alone with --format peft, "
+            "or a checkpoint that Lightning saved with the model's full state_dict.",
+        )
     if dequantized:
         warnings.warn(
             f"{dequantized} base weights were 4-bit (QLoRA): the merged weights are the dequantized base plus the "
@@ -414,6 +457,8 @@ def export_checkpoint(
         written = _write_peft(out, pairs, config, target)
     else:
         model = _reference_model(shape)
+        if model is not None:
+            state = _to_model_layout(state, model, dequantized)
         if adapter is not None:
             merged = merge_lora(state, pairs, config, adapter, model)
         else:
@@ -426,7 +471,7 @@ def export_checkpoint(
             torch.save(merged, out / "state_dict.pt")
         else:
             _write_hf(out, model, shape, merged, target)
-    return ExportReport(path, format, out, len(pairs), dequantized, target, written)
+    return ExportReport(path, format, out, len(pairs), len(dequantized), target, written)
 
 
 def main(argv: list[str] | None = None) -> None:

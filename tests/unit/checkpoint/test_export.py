@@ -13,6 +13,7 @@ import torch
 from lightning_trainopt.checkpoint.export import export_checkpoint, main, merge_lora
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models import GPTConfig, HFModelConfig, LitCausalLM, LitGPT
+from lightning_trainopt.transforms.adapters import AdapterSpec, apply_adapter, describe
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 ALPHA = 16
@@ -40,14 +41,10 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A tiny Hugging Face Llama in our LitCausalLM with LoRA on q/v/down, its checkpoint file and its logits."""
-    from peft import inject_adapter_in_model
+def _llama_config() -> Any:
     from transformers import LlamaConfig
 
-    tmp = tmp_path_factory.mktemp("llama")
-    LlamaConfig(
+    return LlamaConfig(
         vocab_size=64,
         hidden_size=64,  # bitsandbytes' CPU 4-bit matmul needs rows of at least one block (64)
         intermediate_size=128,
@@ -55,14 +52,37 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
-    ).save_pretrained(tmp / "config")
-    shape = asdict(HFModelConfig(config=str(tmp / "config")))
+    )
+
+
+def _adapted(config: Any, folder: Path, spec: AdapterSpec) -> tuple[LitCausalLM, dict[str, Any]]:
+    """Our LitCausalLM of ``config`` (saved to ``folder``) with ``spec``'s adapter applied as training applies it,
+    its B matrices moved off zero as training moves them; and its ``model`` hyper-parameters."""
+    config.save_pretrained(folder)
+    shape = asdict(HFModelConfig(config=str(folder)))
     torch.manual_seed(0)
     module = LitCausalLM(HFModelConfig(**shape))
     module.configure_model()
-    plain = {k.removeprefix("model."): v.clone() for k, v in module.state_dict().items()}
-    inject_adapter_in_model(_lora(), module.model)
-    ckpt = _save(tmp / "lora.ckpt", module.state_dict(), shape, {"kind": "lora", "r": R, "alpha": ALPHA})
+    apply_adapter(module, spec)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    return module, shape
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A tiny Hugging Face Llama in our LitCausalLM with LoRA on q/v/down, its checkpoint file and its logits."""
+    tmp = tmp_path_factory.mktemp("llama")
+    spec = AdapterSpec(kind="lora", r=R, alpha=ALPHA, dropout=0.0, target_modules=tuple(TARGETS))
+    module, shape = _adapted(_llama_config(), tmp / "config", spec)
+    plain = {
+        k.removeprefix("model.").replace(".base_layer", ""): v.clone()
+        for k, v in module.state_dict().items()
+        if "lora_" not in k
+    }
+    ckpt = _save(tmp / "lora.ckpt", module.state_dict(), shape, describe(spec))
     return {"tmp": tmp, "shape": shape, "ckpt": ckpt, "plain": plain, "logits": _logits(module.model)}
 
 
@@ -117,57 +137,54 @@ def test_the_state_dict_holds_no_adapter_and_equals_the_merge_by_formula(llama, 
         torch.testing.assert_close(by_formula[key], tensor, rtol=0, atol=1e-6, msg=key)
 
 
-def test_a_qlora_checkpoint_is_merged_into_its_dequantized_base(llama, tmp_path):
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_qlora_checkpoint_is_merged_into_its_dequantized_base(arch, tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2Config
 
-    _base(llama).save_pretrained(tmp_path / "base")
-    quant = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
-    qlora = get_peft_model(base, _lora())
+    config = _llama_config() if arch == "llama" else GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=4)
+    # The architecture's default targets (GPT-2: its Conv1D layers, stored (in, out)); fp32 compute, to compare.
+    spec = AdapterSpec(kind="qlora", r=R, alpha=ALPHA, dropout=0.0, compute_dtype="float32")
+    module, shape = _adapted(config, tmp_path / "config", spec)
     # Taken before any forward: bitsandbytes' CPU forward repacks the weight and rounds the block scales to bf16.
-    state = {f"model.{k}": v.clone() for k, v in qlora.state_dict().items()}  # LitCausalLM's names
+    state = {k: v.clone() for k, v in module.state_dict().items()}
     assert any(k.endswith("quant_state.bitsandbytes__nf4") for k in state)
-    expected = _qlora_merge_by_hand(qlora)
-    ckpt = _save(tmp_path / "qlora.ckpt", state, llama["shape"], {"kind": "qlora", "r": R, "alpha": ALPHA})
+    expected = _qlora_merge_by_hand(module.model, transpose=arch == "gpt2")
+    ckpt = _save(tmp_path / "qlora.ckpt", state, shape, describe(spec))
 
     with pytest.warns(UserWarning, match="dequantized base plus the adapter's delta"):
         report = export_checkpoint(ckpt, tmp_path / "fp32", "hf", dtype="float32")
-    assert report.dequantized == len(expected) == 2 * 7  # every linear layer of the 2 blocks was 4-bit, not the head
+    assert report.dequantized == len(expected) == 2 * (7 if arch == "llama" else 4)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    assert merged.config.tie_word_embeddings == config.tie_word_embeddings  # GPT-2's tied head stays tied
     weights = merged.state_dict()
     for key, weight in expected.items():
         torch.testing.assert_close(weights[key], weight, rtol=0, atol=1e-6, msg=key)
     # The 4-bit model's own outputs: bitsandbytes' CPU kernel multiplies with bf16 block scales, so they agree to
-    # bf16 rounding (measured 2.4e-3 at most here, logits up to about 1), not to fp32's.
-    torch.testing.assert_close(_logits(merged), _logits(qlora), rtol=0, atol=5e-3)
-    # The default output dtype of a QLoRA checkpoint is bf16, its compute dtype on a GPU.
-    with pytest.warns(UserWarning, match="4-bit"):
-        report = export_checkpoint(ckpt, tmp_path / "bf16", "hf")
-    assert report.dtype == torch.bfloat16
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    # bf16 rounding (measured 2.4e-3 at most on the Llama, logits up to about 1), not to fp32's.
+    torch.testing.assert_close(_logits(merged), _logits(module.model), rtol=0, atol=5e-3)
+    if arch == "llama":
+        # The default output dtype of a QLoRA checkpoint is bf16, its compute dtype on a GPU.
+        with pytest.warns(UserWarning, match="4-bit"):
+            report = export_checkpoint(ckpt, tmp_path / "bf16", "hf")
+        assert report.dtype == torch.bfloat16
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
-def _qlora_merge_by_hand(qlora: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{Hugging Face weight name: bitsandbytes' dequantized weight + peft's delta}`` of each 4-bit layer."""
+def _qlora_merge_by_hand(model: torch.nn.Module, transpose: bool) -> dict[str, torch.Tensor]:
+    """``{Hugging Face weight name: bitsandbytes' dequantized weight + peft's delta}`` of each 4-bit layer, in
+    ``nn.Linear``'s (out, in) layout as Linear4bit holds it, or ``transpose``d to GPT-2's Conv1D (in, out)."""
     import bitsandbytes as bnb
     from peft.tuners.lora import LoraLayer
 
     out = {}
-    for name, module in qlora.base_model.model.named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
             out[f"{name.removesuffix('.base_layer')}.weight"] = weight
-    for name, module in qlora.base_model.model.named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             out[f"{name}.weight"] = out[f"{name}.weight"] + module.get_delta_weight("default").float()
-    return out
+    return {key: weight.t() if transpose else weight for key, weight in out.items()}
 
 
 def test_our_gpt_with_lora_exports_as_a_llama_with_the_same_logits(tmp_path):
