@@ -419,10 +419,15 @@ def export_checkpoint(
         )
     shape = hyper.get("model")
     hf_model = isinstance(shape, dict) and "attn_implementation" in shape
+    recorded = _recorded_adapter(path, hyper)
     config = None
     if adapter is not None:
-        alpha, dropout, rslora = _lora_settings(_recorded_adapter(path, hyper), lora_alpha)
+        alpha, dropout, rslora = _lora_settings(recorded, lora_alpha)
         config = _lora_config(pairs, alpha, dropout, rslora, "CAUSAL_LM" if hf_model else None)
+        pretrained = shape.get("pretrained") if isinstance(shape, dict) else None
+        if hf_model and pretrained:
+            # Where PeftModel.from_pretrained's users find the base (AutoPeftModelForCausalLM reads it).
+            config.base_model_name_or_path = pretrained
     quantized = sum(1 for k in state if _QUANT_STATE.match(k))
     if dtype != "auto":
         target = DTYPES[dtype]
@@ -437,8 +442,7 @@ def export_checkpoint(
     dequantized: list[str] = []
     if format != "peft":
         state, dequantized = dequantize_4bit_state(state)
-    recorded_kind = (hyper.get("adapter") or {}).get("kind") if isinstance(hyper.get("adapter"), dict) else None
-    if recorded_kind == "qlora" and format != "peft" and not dequantized:
+    if recorded.get("kind") == "qlora" and format != "peft" and not dequantized:
         raise ConfigError(
             "checkpoint",
             os.fspath(path),
@@ -448,7 +452,7 @@ def export_checkpoint(
         )
     if dequantized:
         warnings.warn(
-            f"{dequantized} base weights were 4-bit (QLoRA): the merged weights are the dequantized base plus the "
+            f"{len(dequantized)} base weights were 4-bit (QLoRA): the merged weights are the dequantized base plus the "
             "adapter's delta, not the weights before quantization.",
             stacklevel=2,
         )

@@ -253,6 +253,12 @@ def test_bad_input_is_refused_with_what_and_the_fix_and_exit_code_2(llama, tmp_p
     err = _refused([str(llama["ckpt"]), "--out", str(tmp_path / "e"), "--lora-alpha", "4"], capsys)
     assert "records adapter alpha 16" in err
 
+    qlora = describe(AdapterSpec(kind="qlora", r=R, alpha=ALPHA))
+    unquantized = _save(tmp_path / "qlora.ckpt", torch.load(llama["ckpt"])["state_dict"], llama["shape"], qlora)
+    err = _refused([str(unquantized), "--out", str(tmp_path / "f")], capsys)
+    assert "adapter=qlora run but holds no bitsandbytes quantization state" in err
+    assert "--format peft" in err
+
     err = _refused([str(llama["ckpt"]), "--out", str(tmp_path / "d")], capsys)  # written above: not overwritten
     assert "--out=" in err
     assert "already holds files" in err
