@@ -189,6 +189,12 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec) -> AdapterReport:
     if spec.kind == "qlora":
         report.quantized = _quantize_4bit(inner, targets, spec)
     _inject_lora(inner, targets, spec)
+    # peft freezes the base, except where it keeps a Hugging Face model's output head trainable when the config
+    # asks to tie it to untied embeddings (a tiny Llama built from its config): freeze all but the adapters here.
+    prefixes = _adapter_prefixes(model)
+    for name, param in model.named_parameters():
+        if not any(name.startswith(p) for p in prefixes):
+            param.requires_grad_(False)
     report.adapted = [name for name, module in inner.named_modules() if _is_lora_layer(module)]
     return _count(report, model)
 
@@ -348,6 +354,10 @@ def _quantize_4bit(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec
         )
         if bias is not None:
             new.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # Off: in eval on an AVX512-BF16 CPU, bitsandbytes repacks the weight and its quantization state in place for
+        # its CPU kernel (and back when the state dict is read, not bit for bit), so a validation pass would change
+        # the frozen base that a resume checks by hash (that kernel also fails on layers narrower than 64 inputs).
+        new.support_avx512bf16_for_cpu = False
         # Moving a Params4bit to a real device is what quantizes it (bitsandbytes' rule; it runs on CPU too).
         new = new.to(weight.device)
         parent_name, _, child = name.rpartition(".")
