@@ -203,6 +203,38 @@ def test_our_gpt_with_lora_exports_as_a_llama_with_the_same_logits(tmp_path):
     torch.testing.assert_close(_logits(llama), _logits(module.model), rtol=0, atol=1e-5)
 
 
+def test_a_checkpoint_without_its_frozen_base_gets_it_rebuilt_and_checked(tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from lightning_trainopt.checkpoint.adapter_state import ADAPTER_KEY, strip_frozen_base
+
+    shape = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16)
+    spec = AdapterSpec(kind="lora", r=R, alpha=ALPHA, dropout=0.0, target_modules=tuple(TARGETS))
+    monkeypatch.setenv("PL_GLOBAL_SEED", "3")  # what seed_everything(3) leaves, and the checkpoint records
+    torch.manual_seed(3)
+    module = LitGPT(shape)
+    module.configure_model()
+    apply_adapter(module, spec)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    strip_frozen_base(module, checkpoint, spec)  # as an adapter=lora run's checkpoints are written
+    assert set(checkpoint["state_dict"]) == set(checkpoint[ADAPTER_KEY]["adapter_tensors"])  # the base is left out
+    torch.save(checkpoint, tmp_path / "adapters.ckpt")
+    main([str(tmp_path / "adapters.ckpt"), "--out", str(tmp_path / "hf")])  # alpha: recorded with the adapter
+    llama = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    torch.testing.assert_close(_logits(llama), _logits(module.model), rtol=0, atol=1e-5)
+
+    checkpoint[ADAPTER_KEY]["base_sha256"] = "0" * 64  # adapters trained on another base than this one rebuilds
+    torch.save(checkpoint, tmp_path / "other_base.ckpt")
+    err = _refused([str(tmp_path / "other_base.ckpt"), "--out", str(tmp_path / "x")], capsys)
+    assert "not the one the adapters were trained on" in err
+    assert "--format peft" in err
+    main([str(tmp_path / "other_base.ckpt"), "--out", str(tmp_path / "peft"), "--format", "peft"])  # needs no base
+
+
 def test_a_run_folder_exports_its_newest_checkpoint_with_the_alpha_of_its_config(llama, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
