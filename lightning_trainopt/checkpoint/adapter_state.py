@@ -9,12 +9,16 @@ from ``checkpoint["state_dict"]`` and record how to rebuild it and a SHA-256 of 
 calls after ``configure_model`` has rebuilt the model, before it loads the state dict) checks that the rebuilt base
 has that hash and that the checkpoint holds every adapter tensor, then lets Lightning load the adapters
 (``strict_loading=False``, because the base keys are absent on purpose; the check above replaces strictness).
+Lightning's checkpoint has no RNG state; LoRA's dropout draws from torch's generator, so the record carries it and
+:func:`restore_rng` sets it at the resumed run's first training batch.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import torch
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.transforms.adapters import (
@@ -25,12 +29,13 @@ from lightning_trainopt.transforms.adapters import (
     frozen_base_names,
 )
 
-__all__ = ["ADAPTER_KEY", "install_adapter_checkpointing", "restore_frozen_base", "strip_frozen_base"]
+__all__ = ["ADAPTER_KEY", "install_adapter_checkpointing", "restore_frozen_base", "restore_rng", "strip_frozen_base"]
 
 #: The checkpoint entry that records the adapter and how to rebuild its base.
 ADAPTER_KEY = "trainopt_adapter"
 _HASH = "_trainopt_base_sha256"
 _INSTALLED = "_trainopt_adapter_checkpointing"
+_PENDING_RNG = "_trainopt_pending_rng"
 
 
 def strip_frozen_base(module: Any, checkpoint: dict[str, Any], spec: AdapterSpec) -> None:
@@ -55,6 +60,11 @@ def strip_frozen_base(module: Any, checkpoint: dict[str, Any], spec: AdapterSpec
             "module": f"{type(module).__module__}.{type(module).__qualname__}",
             "model": model if isinstance(model, dict) else None,
             "seed": os.environ.get("PL_GLOBAL_SEED"),
+        },
+        # LoRA's dropout draws from torch's generator: the resumed run continues its stream (see restore_rng).
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         },
     }
 
@@ -91,6 +101,22 @@ def restore_frozen_base(module: Any, checkpoint: dict[str, Any]) -> None:
         )
 
 
+def restore_rng(module: Any) -> None:
+    """Set torch's generators to the state a resumed checkpoint recorded, once, at the first training batch.
+
+    Not in ``on_load_checkpoint``: between it and the first batch the resumed run creates its data loader iterators
+    (each draws a seed from torch's generator), draws the uninterrupted run made before the checkpoint. Every rank
+    gets rank 0's state: the ranks share the seed, so their streams are the same.
+    """
+    pending = module.__dict__.pop(_PENDING_RNG, None)
+    if not isinstance(pending, dict):
+        return
+    torch.set_rng_state(pending["torch"])
+    cuda = pending.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def install_adapter_checkpointing(module: Any, spec: AdapterSpec) -> None:
     """Make ``module``'s checkpoints hold the adapters without the frozen base, and check the base on resume.
 
@@ -101,6 +127,7 @@ def install_adapter_checkpointing(module: Any, spec: AdapterSpec) -> None:
         return
     module.__dict__[_INSTALLED] = True
     own_save, own_load = module.on_save_checkpoint, module.on_load_checkpoint
+    own_batch_start = module.on_train_batch_start
 
     def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:
         own_save(checkpoint)
@@ -109,9 +136,17 @@ def install_adapter_checkpointing(module: Any, spec: AdapterSpec) -> None:
     def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
         own_load(checkpoint)
         restore_frozen_base(module, checkpoint)
+        rng = checkpoint.get(ADAPTER_KEY, {}).get("rng")
+        if isinstance(rng, dict):
+            module.__dict__[_PENDING_RNG] = rng
+
+    def on_train_batch_start(batch: Any, batch_idx: int) -> Any:
+        restore_rng(module)
+        return own_batch_start(batch, batch_idx)
 
     module.on_save_checkpoint = on_save_checkpoint
     module.on_load_checkpoint = on_load_checkpoint
+    module.on_train_batch_start = on_train_batch_start
     module.strict_loading = False
 
 

@@ -195,6 +195,10 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec) -> AdapterReport:
     for name, param in model.named_parameters():
         if not any(name.startswith(p) for p in prefixes):
             param.requires_grad_(False)
+        elif param.dtype in (torch.bfloat16, torch.float16):
+            # peft creates the adapters in the base layer's dtype (QLoRA's bf16 storage); they train in fp32, as
+            # get_peft_model's autocast_adapter_dtype does (a bf16-true run casts the whole module afterwards).
+            param.data = param.data.float()
     report.adapted = [name for name, module in inner.named_modules() if _is_lora_layer(module)]
     return _count(report, model)
 
