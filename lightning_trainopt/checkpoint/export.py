@@ -3,9 +3,10 @@
 Console script: ``trainopt-export CHECKPOINT --out DIR [--format state_dict|peft|hf] [--dtype ...]``.
 
 ``CHECKPOINT`` is a Lightning ``.ckpt`` file, a DeepSpeed ZeRO checkpoint directory, a DCP directory (FSDP2/TP) or a
-run folder (its newest complete checkpoint under ``checkpoints/``). The sharded forms are gathered on one process by
-``trainopt-convert``'s readers (:mod:`lightning_trainopt.checkpoint.convert`), whatever the number of ranks that
-wrote them. Three outputs:
+run folder (its newest complete checkpoint under ``checkpoints/``). The sharded forms are gathered on one process as
+``trainopt-convert`` gathers them, whatever the number of ranks that wrote them, and the frozen base an adapter run
+left out of its checkpoint is rebuilt and checked by its recorded hash
+(:mod:`~lightning_trainopt.checkpoint.export_source`). Three outputs:
 
 - ``state_dict``: ``DIR/state_dict.pt``, the merged model's plain state dict (``torch.load`` + ``load_state_dict``
   into the model without adapters); no ``lora_`` tensor is left in it.
