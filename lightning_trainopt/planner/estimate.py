@@ -7,14 +7,21 @@ from dataclasses import dataclass, field, replace
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
+from lightning_trainopt.planner.adapters import (
+    AdapterPlan,
+    adapter_model_states,
+    lora_activation_bytes,
+    qlora_activations,
+)
 from lightning_trainopt.planner.model_profile import ModelProfile, gpt_param_groups, gpt_profile
 from lightning_trainopt.planner.model_states import StrategyLayout, estimate_model_states
 from lightning_trainopt.planner.offload_time import Bandwidths, estimate_step_overhead
 from lightning_trainopt.planner.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, fp8_transient_term, te_saved_delta
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.planner.teacher import TeacherPlan, teacher_terms
 from lightning_trainopt.planner.tensor_parallel import tp_activations, tp_comm, tp_profile
-from lightning_trainopt.planner.terms import MemoryEstimate
+from lightning_trainopt.planner.terms import MemoryEstimate, Term
 
 __all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
 
@@ -47,6 +54,10 @@ class PlanInputs:
             (``strategy.sequence_parallel``; the TP plans' default).
         replicate: HSDP replicas (``strategy.replicate``): FSDP2 shards only within each of ``replicate`` groups
             of ``data_parallel_size / replicate`` ranks and all-reduces between them.
+        adapter: LoRA/QLoRA (``adapter=lora|qlora``): the base frozen (in NF4 under QLoRA), only the adapters
+            trained; ``None``: every parameter trained.
+        teacher: a distillation teacher (``experiment=distill``): its frozen weights, last hidden states and forward
+            FLOPs are added; ``None``: none.
     """
 
     model: GPTConfig | ModelProfile
@@ -66,6 +77,8 @@ class PlanInputs:
     loss: LossPlan | None = None
     sequence_parallel: bool = True
     replicate: int = 1
+    adapter: AdapterPlan | None = None
+    teacher: TeacherPlan | None = None
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -280,29 +293,64 @@ def estimate_plan(
     tp = inputs.tensor_parallel
     # One rank's share of the model under TP (matrices / tp), then sharded over one replica group's ranks.
     m = tp_profile(inputs.profile, tp)
-    states = estimate_model_states(
-        m.param_groups,
-        inputs.trainer_precision,
-        inputs.layout,
-        inputs.optimizer,
-        inputs.shard_size,
-        accumulate=inputs.accumulate,
-        adam_path=inputs.adam_path,
-        module_trace=m.module_trace,
-        fsdp_units=m.fsdp_units,
-    )
+    adapter, teacher = inputs.adapter, inputs.teacher
+    if adapter is not None:
+        states = adapter_model_states(
+            adapter,
+            inputs.trainer_precision,
+            inputs.layout,
+            inputs.optimizer,
+            inputs.shard_size,
+            tensor_parallel=tp,
+            accumulate=inputs.accumulate,
+            adam_path=inputs.adam_path,
+            fsdp_units=m.fsdp_units,
+        )
+    else:
+        states = estimate_model_states(
+            m.param_groups,
+            inputs.trainer_precision,
+            inputs.layout,
+            inputs.optimizer,
+            inputs.shard_size,
+            accumulate=inputs.accumulate,
+            adam_path=inputs.adam_path,
+            module_trace=m.module_trace,
+            fsdp_units=m.fsdp_units,
+        )
     model_flops, recompute_flops = m.flops(inputs.micro_batch, inputs.seq_len)
     every = inputs.activations.checkpoint_every
     n_ckpt = 0 if every == 0 or not m.n_blocks else -(-m.n_blocks // every)
     fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
     acts = _activations(inputs, m, fraction)
+    tokens = inputs.micro_batch * inputs.seq_len
+    if adapter is not None:
+        acts = qlora_activations(acts, adapter, fraction)
+        extra = lora_activation_bytes(adapter, tokens, inputs.compute_bytes)
+        # Saved inside the blocks: checkpointed blocks keep only their input, so their adapters save nothing.
+        acts = acts + MemoryEstimate.of(
+            [
+                Term(
+                    "activations",
+                    "device",
+                    "adapters: saved lora_A outputs" + (" and dropped inputs" if adapter.dropout > 0 else ""),
+                    int(extra * (1 - fraction)),
+                    f"{len(adapter.targeted)} layers x {tokens:,} tok x r {adapter.r}",
+                    phase="backward",
+                )
+            ]
+        )
+        model_flops += adapter.flops_delta(tokens)
+    if teacher is not None:
+        states = states + teacher_terms(teacher, inputs.compute_bytes, inputs.layout, inputs.shard_size, tokens)
+        # The teacher's forward is work done (MFU counts it) and time spent.
+        model_flops += int(teacher.forward_flops_per_token * tokens)
     if tp > 1:
         assert isinstance(inputs.model, GPTConfig)  # PlanInputs refuses TP for other models
         acts = tp_activations(
             acts, inputs.model, inputs.micro_batch, inputs.seq_len, tp, inputs.sequence_parallel, inputs.attention
         )
     hw_flops = model_flops + int(round(fraction * recompute_flops))
-    tokens = inputs.micro_batch * inputs.seq_len
     per_token = hw_flops / tokens
     p = inputs.precision
     # The converted layers' share of the model FLOPs; the recomputed forward is taken at the same share.
