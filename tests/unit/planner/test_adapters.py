@@ -15,6 +15,7 @@ from lightning_trainopt.planner import OPTIMIZER_STATES, PlanInputs, StrategyLay
 from lightning_trainopt.planner.adapter_targets import module_adapter_plan
 from lightning_trainopt.planner.adapters import AdapterPlan, adapter_model_states, gpt_adapter_plan, nf4_bytes
 from lightning_trainopt.planner.estimate import estimate_plan
+from tests.helpers.nf4 import quantize_linears
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -29,31 +30,6 @@ ROWS = {  # measured row -> (category, label prefix) of the planner's terms
     "adapter_grads": ("grads", "adapters:"),
     "adapter_optimizer_states": ("optimizer_states", "adapters:"),
 }
-
-
-def _quantize(model: nn.Module, double_quant: bool, storage: torch.dtype) -> nn.Module:
-    """Every linear layer but the head replaced by bitsandbytes' NF4 ``Linear4bit`` (quantized by ``.to("cpu")``)."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name != "lm_head":
-                q = bnb.nn.Linear4bit(
-                    child.in_features,
-                    child.out_features,
-                    bias=child.bias is not None,
-                    compute_dtype=torch.float32,
-                    compress_statistics=double_quant,
-                    quant_type="nf4",
-                    quant_storage=storage,
-                )
-                q.weight = bnb.nn.Params4bit(
-                    child.weight.data,
-                    requires_grad=False,
-                    compress_statistics=double_quant,
-                    quant_type="nf4",
-                    quant_storage=storage,
-                )
-                setattr(module, name, q.to("cpu"))
-    return model
 
 
 @pytest.mark.parametrize("numel", [64 * 40, 4100, 320 * 256])
@@ -101,7 +77,7 @@ def test_planned_rows_within_5_percent_of_a_real_peft_model(build, kind: str) ->
     base = build()
     plan = module_adapter_plan(base, kind, 8, TARGETS, double_quant=True, quant_storage_bytes=2)
     if kind == "qlora":
-        base = _quantize(base, True, torch.bfloat16)
+        base = quantize_linears(base, True, torch.bfloat16)
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     out = model(torch.randint(0, 256, (2, 16)))
