@@ -130,7 +130,7 @@ def build_run(run: RunSpec) -> BuiltRun:
     activations = _instantiate_named(run.transforms.nodes)
     # The activation techniques and compile are applied by the ordered model rewrite at the end of configure_model
     # (before any strategy wraps or shards the model, so before every on_fit_start measurement); the callbacks report.
-    install_app_rewrites(module, activations, compile_model=run.transforms.compile)
+    install_app_rewrites(module, activations, compile_model=run.transforms.compile, adapter=run.adapter)
     callbacks = [*activations, *_instantiate_named(run.callbacks.nodes)]
     loggers = _instantiate_named(run.trainer.loggers)
     strategy = build_strategy(

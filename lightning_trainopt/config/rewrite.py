@@ -16,20 +16,32 @@ import lightning.pytorch as pl
 from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_trainopt.callbacks.activation_offload import _SavedTensorsTransformCallback
 from lightning_trainopt.parallel.apply import RewritePlan, rewrite_at_configure_model
+from lightning_trainopt.transforms.adapters import AdapterSpec
 
 __all__ = ["app_rewrite_plan", "install_app_rewrites"]
 
 
-def app_rewrite_plan(callbacks: Sequence[Any], compile_model: bool = False) -> RewritePlan:
-    """The plan of the activation callbacks among ``callbacks`` (others are ignored) and of ``compile``."""
+def app_rewrite_plan(
+    callbacks: Sequence[Any], compile_model: bool = False, adapter: AdapterSpec | None = None
+) -> RewritePlan:
+    """The plan of the activation callbacks among ``callbacks`` (others are ignored), of ``compile`` and of the
+    ``adapter`` group (``None`` or ``kind="none"``: no adapter)."""
     checkpoint = next((cb.policy for cb in callbacks if isinstance(cb, ActivationCheckpointing)), None)
     saved = [cb for cb in callbacks if isinstance(cb, _SavedTensorsTransformCallback)]
     return RewritePlan(
-        checkpoint=checkpoint, saved_tensors=saved[0].transform if saved else None, compile=compile_model
+        checkpoint=checkpoint,
+        saved_tensors=saved[0].transform if saved else None,
+        compile=compile_model,
+        adapter=adapter if adapter is not None and adapter.enabled else None,
     )
 
 
-def install_app_rewrites(module: pl.LightningModule, callbacks: Sequence[Any], compile_model: bool = False) -> None:
+def install_app_rewrites(
+    module: pl.LightningModule,
+    callbacks: Sequence[Any],
+    compile_model: bool = False,
+    adapter: AdapterSpec | None = None,
+) -> None:
     """Rewrite ``module`` at the end of its ``configure_model`` by :func:`app_rewrite_plan`, and make the activation
     callbacks among ``callbacks`` report-only (they stay in the Trainer for their ``summary()`` and log line).
 
@@ -39,7 +51,7 @@ def install_app_rewrites(module: pl.LightningModule, callbacks: Sequence[Any], c
     saved = [cb for cb in callbacks if isinstance(cb, _SavedTensorsTransformCallback)]
     if len(saved) > 1:
         return
-    plan = app_rewrite_plan(callbacks, compile_model)
+    plan = app_rewrite_plan(callbacks, compile_model, adapter)
     if plan == RewritePlan():
         return
     for cb in callbacks:

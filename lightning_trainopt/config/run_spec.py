@@ -28,6 +28,7 @@ from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.spec import StrategySpec
 from lightning_trainopt.precision.spec import PrecisionSpec
+from lightning_trainopt.transforms.adapters import AdapterSpec
 
 __all__ = [
     "CallbacksSpec",
@@ -41,6 +42,7 @@ __all__ = [
     "RunSpec",
     "TrainerSpec",
     "TransformsSpec",
+    "adapter_spec",
     "model_spec",
     "optimizer_spec",
     "run_spec",
@@ -212,6 +214,8 @@ class RunSpec:
     launch: LaunchSpec
     trainer: TrainerSpec
     callbacks: CallbacksSpec
+    #: the ``adapter`` group (LoRA/QLoRA; ``kind="none"`` by default).
+    adapter: AdapterSpec = AdapterSpec()
 
 
 def run_spec(cfg: DictConfig) -> RunSpec:
@@ -267,7 +271,23 @@ def run_spec(cfg: DictConfig) -> RunSpec:
         ),
         trainer=TrainerSpec(options=trainer, loggers=_named(cfg.get("logger"))),
         callbacks=CallbacksSpec(nodes=callbacks),
+        adapter=adapter_spec(cfg),
     )
+
+
+def adapter_spec(cfg: DictConfig) -> AdapterSpec:
+    """The ``adapter`` group as an :class:`AdapterSpec` (``kind="none"`` when the config has no ``adapter`` node).
+
+    Raises:
+        ConfigError: a value :class:`AdapterSpec` refuses (naming the ``adapter.*`` key), or a node of another type.
+    """
+    node = cfg.get("adapter")
+    if node is None:
+        return AdapterSpec()
+    spec = instantiate(node, _convert_="all")
+    if not isinstance(spec, AdapterSpec):
+        raise ConfigError("adapter._target_", type(spec).__name__, "pick a preset with adapter=none|lora|qlora.")
+    return spec
 
 
 def model_spec(cfg: DictConfig) -> ModelSpec:

@@ -5,7 +5,10 @@
 
 1. **layer conversions** (FP8 linear layers, ``keep_fp32`` modules; adapters join here): they replace or re-wrap
    leaf modules, so every later step must see the final modules: tensor parallelism needs FP8-aware plans, and
-   ``fully_shard`` must all-gather torchao's FP8 weight subclass, not a plain weight.
+   ``fully_shard`` must all-gather torchao's FP8 weight subclass, not a plain weight. LoRA/QLoRA adapters
+   (:func:`~lightning_trainopt.transforms.adapters.apply_adapter`) come after the FP8/``keep_fp32`` conversions, so
+   peft wraps the layers that will run, and before everything else, so checkpointing, compile and sharding see the
+   LoRA layers and the frozen/trainable split.
 2. **tensor parallelism** (:func:`~lightning_trainopt.parallel.tp.apply_tensor_parallel`: DTensor plans by module
    name, torchao's float8 plans for converted layers): it follows the conversions (it shards the converted layers)
    and precedes checkpointing (which wraps blocks whose layers are already DTensor-parallel) and compile (which traces
@@ -53,6 +56,7 @@ from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, tran
 from lightning_trainopt.parallel.tp import TPReport, apply_tensor_parallel
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
+from lightning_trainopt.transforms.adapters import AdapterReport, AdapterSpec, apply_adapter
 from lightning_trainopt.transforms.blocks import block_classes, own_class
 from lightning_trainopt.transforms.checkpointing import CheckpointPlan, CheckpointPolicy, apply_activation_checkpointing
 from lightning_trainopt.transforms.compile import compile_model
@@ -83,6 +87,8 @@ class RewritePlan:
     Args:
         precision: a precision preset that converts layers (FP8) or keeps modules in fp32; ``None``: no conversion.
         emulate_fp8: torchao emulates the FP8 GEMMs in fp32 (on CPU).
+        adapter: LoRA/QLoRA adapters (step 1, after the layer conversions: peft wraps the final linear layers);
+            ``None`` or ``kind="none"``: none.
         tensor_parallel: tensor-parallel degree; above 1 needs the tensor-parallel mesh (``tp_mesh``) of that size.
         checkpoint: which blocks to checkpoint; ``None``: none.
         saved_tensors: a transform of the activations saved for backward (``CpuOffloader``, ``Int8Compressor``),
@@ -97,6 +103,7 @@ class RewritePlan:
 
     precision: PrecisionSpec | None = None
     emulate_fp8: bool = False
+    adapter: AdapterSpec | None = None
     tensor_parallel: int = 1
     checkpoint: CheckpointPolicy | None = None
     saved_tensors: SavedTensorsTransform | None = None
@@ -114,6 +121,7 @@ class RewriteReport:
 
     steps: list[str] = field(default_factory=list)
     conversion: ConversionReport | None = None
+    adapter: AdapterReport | None = None
     tensor_parallel: TPReport | None = None
     checkpoint: CheckpointPlan | None = None
     compiled: list[str] = field(default_factory=list)
@@ -163,6 +171,10 @@ def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None, tp_mes
     if plan.precision is not None:
         report.conversion = convert_model(model, plan.precision, emulate=plan.emulate_fp8, fsdp=plan.shard == "fsdp2")
         report.steps.append("convert")
+    if plan.adapter is not None and plan.adapter.enabled:
+        report.adapter = apply_adapter(model, plan.adapter)
+        if "convert" not in report.steps:
+            report.steps.append("convert")
     if plan.tensor_parallel != 1:
         report.tensor_parallel = _tensor_parallel(model, plan.tensor_parallel, tp_mesh)
         report.steps.append("tensor_parallel")
