@@ -41,8 +41,8 @@ def module_adapter_plan(
     blocksize: int = 64,
 ) -> AdapterPlan:
     """The adapter plan of ``module`` (before the adapter is applied): adapters on the ``nn.Linear`` layers named by
-    ``target_modules``; under ``qlora`` every linear layer but the output head in NF4; every other parameter frozen in
-    its own precision. Tied parameters count once.
+    ``target_modules`` (never the output head); under ``qlora`` those layers in NF4 (the adapter core quantizes the
+    targeted layers); every other parameter frozen in its own precision. Tied parameters count once.
 
     Raises:
         ConfigError: no linear layer matches ``target_modules``.
@@ -52,17 +52,20 @@ def module_adapter_plan(
     quantized: list[int] = []
     linear_numel = 0
     in_linear: set[int] = set()
+    quantized_ids: set[int] = set()
     for name, sub in module.named_modules():
         if not isinstance(sub, nn.Linear):
             continue
-        if matches_target(name, target_modules) and name not in heads:
+        hit = matches_target(name, target_modules) and name not in heads
+        if hit:
             targeted.append((sub.in_features, sub.out_features))
         if id(sub.weight) in in_linear:
             continue
         in_linear.add(id(sub.weight))
         linear_numel += sub.weight.numel()
-        if kind == "qlora" and name not in heads:
+        if kind == "qlora" and hit:
             quantized.append(sub.weight.numel())
+            quantized_ids.add(id(sub.weight))
     if not targeted:
         raise ConfigError(
             "adapter.target_modules",
@@ -70,11 +73,6 @@ def module_adapter_plan(
             f"no linear layer of {type(module).__name__} has one of these names; name its layers as peft does "
             "(e.g. [q_proj, v_proj]).",
         )
-    quantized_ids = (
-        {id(sub.weight) for name, sub in module.named_modules() if isinstance(sub, nn.Linear) and name not in heads}
-        if kind == "qlora"
-        else set()
-    )
     frozen = tuple(p.numel() for p in module.parameters() if id(p) not in quantized_ids)
     return AdapterPlan(
         kind,

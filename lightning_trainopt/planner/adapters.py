@@ -41,7 +41,10 @@ __all__ = [
     "ADAPTER_KINDS",
     "GPT_BLOCK_LINEARS",
     "AdapterPlan",
+    "adapter_activation_terms",
     "adapter_model_states",
+    "adapter_summary",
+    "dequantized_weight_term",
     "frozen_base_terms",
     "gpt_adapter_plan",
     "lora_activation_bytes",
@@ -84,8 +87,8 @@ class AdapterPlan:
         kind: ``lora`` (frozen base in the weights' own precision) or ``qlora`` (frozen linear layers in NF4).
         r: LoRA rank.
         targeted: ``(in_features, out_features)`` of each linear layer that gets an adapter.
-        quantized: elements of each base weight stored in 4 bit (``qlora``: the linear layers bitsandbytes converts,
-            the output head excepted); empty for ``lora``.
+        quantized: elements of each base weight stored in 4 bit (``qlora``: the targeted linear layers, which the
+            adapter core converts to bitsandbytes' ``Linear4bit``); empty for ``lora``.
         frozen: elements of every other base parameter (embeddings, norms, the head; for ``lora`` every weight).
         frozen_linear_numel: elements of the frozen linear weights, whose weight-gradient GEMMs backward skips.
         dropout: ``lora_dropout``; above 0 each adapter saves its dropped input and mask.
@@ -147,6 +150,21 @@ class AdapterPlan:
         return tokens * (6 * self.n_adapter - 2 * self.frozen_linear_numel)
 
 
+def adapter_summary(plan: AdapterPlan) -> dict[str, int | str]:
+    """The adapter in a few numbers (the plan's JSON ``adapter`` and its header line)."""
+    data, state = plan.nf4()
+    return {
+        "kind": plan.kind,
+        "r": plan.r,
+        "targeted_layers": len(plan.targeted),
+        "trainable_params": plan.n_adapter,
+        "frozen_params": plan.n_base,
+        "nf4_params": sum(plan.quantized),
+        "nf4_bytes": data,
+        "nf4_state_bytes": state,
+    }
+
+
 def lora_activation_bytes(plan: AdapterPlan, tokens: int, compute_bytes: int) -> int:
     """Bytes the adapters save for backward per micro-batch of ``tokens``: ``lora_A``'s output for ``lora_B``, and
     with dropout the dropped input (compute dtype) and its boolean mask."""
@@ -156,6 +174,44 @@ def lora_activation_bytes(plan: AdapterPlan, tokens: int, compute_bytes: int) ->
         if plan.dropout > 0:
             total += tokens * i * (compute_bytes + 1)
     return total
+
+
+def adapter_activation_terms(
+    plan: AdapterPlan, extra: int, checkpointed: float, n_blocks: int, tensor_parallel: int = 1
+) -> list[Term]:
+    """The adapters' saved tensors (``extra`` bytes for the whole model, :func:`lora_activation_bytes`): those of the
+    blocks that keep their activations, and, under checkpointing, one recomputed block's while its backward runs."""
+    what = "adapters: saved lora_A outputs" + (" and dropped inputs" if plan.dropout > 0 else "")
+    formula = f"{len(plan.targeted)} layers x tok x (r {plan.r}" + (" + (b + 1) x in)" if plan.dropout > 0 else ")")
+    terms = [
+        Term("activations", "device", what, int(extra * (1 - checkpointed)) // tensor_parallel, formula, "backward")
+    ]
+    if checkpointed and n_blocks:
+        terms.append(
+            Term(
+                "other",
+                "device",
+                f"{what}: one recomputed block",
+                extra // n_blocks // tensor_parallel,
+                f"{formula} / {n_blocks} blocks",
+                "backward",
+            )
+        )
+    return terms
+
+
+def dequantized_weight_term(plan: AdapterPlan, compute_bytes: int, tensor_parallel: int = 1) -> Term:
+    """bitsandbytes' 4-bit matmul dequantizes the whole weight to the compute dtype for each product (forward and
+    input gradient) and frees it after: one such copy of the largest quantized layer at a time."""
+    big = max(plan.quantized, default=0)
+    return Term(
+        "other",
+        "device",
+        "QLoRA: dequantized weight of the largest layer (during its matmul)",
+        compute_bytes * big // tensor_parallel,
+        f"{compute_bytes} B x {_gb(big)}",
+        phase="backward",
+    )
 
 
 def _sharded(numels: Sequence[int], w: int) -> int:
@@ -204,7 +260,7 @@ def frozen_base_terms(
         # FSDP2 shards the packed storage tensor, ``((n + 1) // (2 s), 1)`` elements of the storage dtype, by rows.
         data = sum(math.ceil((n + 1) // (2 * s) / w) * s for n in plan.quantized) // tensor_parallel
         _, state = plan.nf4()
-        dq = "uint8 absmax + fp32 per 256 + offset" if plan.double_quant else "fp32 absmax"
+        dq = "1 B absmax (+ 4 B per 256 of them)" if plan.double_quant else "4 B absmax"
         terms.append(Term("params", where, "frozen base: NF4 4-bit weights", data, f"0.5 B x {_gb(n_q)}{split}{tp}"))
         terms.append(
             Term(
@@ -212,7 +268,7 @@ def frozen_base_terms(
                 where,
                 "frozen base: NF4 scales (whole on every rank)",
                 state // tensor_parallel,
-                f"{dq} per {plan.blocksize} x {_gb(n_q)}{tp}",
+                f"{dq} per {plan.blocksize} of {_gb(n_q)}{tp}",
             )
         )
     if layout.shards_each_param and w > 1:
@@ -279,13 +335,13 @@ def adapter_model_states(
         accumulate=accumulate,
         adam_path=adam_path,
     )
-    step = MemoryEstimate(tuple(t for t in adapters.terms if t.phase != "build"))
+    step = relabel_adapter_terms(MemoryEstimate(tuple(t for t in adapters.terms if t.phase != "build")))
     units = fsdp_units or FSDPUnits(blocks=())
     base = frozen_base_terms(plan, wb, layout, world_size, tensor_parallel, max(units.blocks, default=0), units.root)
     # Built: the base as it is stored (the app quantizes one layer at a time) and the adapters' weights.
     build = [replace(t, phase="build") for t in base.terms if t.category == "params"]
     build += [replace(t, phase="build") for t in step.terms if t.category == "params"]
-    return base + relabel_adapter_terms(step) + MemoryEstimate.of(build)
+    return base + step + MemoryEstimate.of(build)
 
 
 def qlora_activations(acts: MemoryEstimate, plan: AdapterPlan, checkpointed: float) -> MemoryEstimate:
@@ -316,8 +372,8 @@ def gpt_adapter_plan(
     quant_storage_bytes: int = 2,
 ) -> AdapterPlan:
     """The :class:`AdapterPlan` of our GPT preset ``cfg``: adapters on the block linear layers named in
-    ``target_modules`` (``None``: all seven), under ``qlora`` every block linear layer in NF4 (the head, embedding and
-    norms stay in the weights' precision, as bitsandbytes' conversion leaves the output head).
+    ``target_modules`` (``None``: all seven, the adapter core's default), under ``qlora`` those same layers in NF4
+    (``transforms/adapters.py`` quantizes the targeted layers); the rest of the base frozen in its own precision.
 
     Raises:
         ConfigError: a target name that is not a linear layer of the model.
@@ -340,17 +396,18 @@ def gpt_adapter_plan(
             list(names),
             f"{unknown} are not linear layers of {cfg.name}'s blocks; use names from {list(GPT_BLOCK_LINEARS)}.",
         )
-    block = [i * o for i, o in shapes.values()]
+    targeted = tuple(shapes[n] for n in names) * cfg.n_layers
     head = cfg.vocab_size * d
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     vectors = [d] * (2 * cfg.n_layers + 1)
-    matrices = block * cfg.n_layers
-    quantized = tuple(matrices) if kind == "qlora" else ()
-    frozen = (head, *([embed] if embed else []), *vectors, *(() if quantized else matrices))
+    matrices = [i * o for i, o in shapes.values()] * cfg.n_layers
+    quantized = tuple(i * o for i, o in targeted) if kind == "qlora" else ()
+    kept = [i * o for n, (i, o) in shapes.items() if kind != "qlora" or n not in names] * cfg.n_layers
+    frozen = (head, *([embed] if embed else []), *vectors, *kept)
     return AdapterPlan(
         kind,
         r,
-        tuple(shapes[n] for n in names) * cfg.n_layers,
+        targeted,
         quantized,
         frozen,
         frozen_linear_numel=sum(matrices) + head,

@@ -9,7 +9,9 @@ from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
 from lightning_trainopt.planner.adapters import (
     AdapterPlan,
+    adapter_activation_terms,
     adapter_model_states,
+    dequantized_weight_term,
     lora_activation_bytes,
     qlora_activations,
 )
@@ -21,7 +23,7 @@ from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, f
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
 from lightning_trainopt.planner.teacher import TeacherPlan, teacher_terms
 from lightning_trainopt.planner.tensor_parallel import tp_activations, tp_comm, tp_profile
-from lightning_trainopt.planner.terms import MemoryEstimate, Term
+from lightning_trainopt.planner.terms import MemoryEstimate
 
 __all__ = ["PlanEstimate", "PlanInputs", "estimate_plan", "gpt_param_groups"]
 
@@ -328,18 +330,9 @@ def estimate_plan(
         acts = qlora_activations(acts, adapter, fraction)
         extra = lora_activation_bytes(adapter, tokens, inputs.compute_bytes)
         # Saved inside the blocks: checkpointed blocks keep only their input, so their adapters save nothing.
-        acts = acts + MemoryEstimate.of(
-            [
-                Term(
-                    "activations",
-                    "device",
-                    "adapters: saved lora_A outputs" + (" and dropped inputs" if adapter.dropout > 0 else ""),
-                    int(extra * (1 - fraction)),
-                    f"{len(adapter.targeted)} layers x {tokens:,} tok x r {adapter.r}",
-                    phase="backward",
-                )
-            ]
-        )
+        acts = acts + MemoryEstimate.of(adapter_activation_terms(adapter, extra, fraction, m.n_blocks, tp))
+        if adapter.quantized:
+            acts = acts + MemoryEstimate.of([dequantized_weight_term(adapter, inputs.compute_bytes, tp)])
         model_flops += adapter.flops_delta(tokens)
     if teacher is not None:
         states = states + teacher_terms(teacher, inputs.compute_bytes, inputs.layout, inputs.shard_size, tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_trainopt.metrics.flops import transformer_flops
 from lightning_trainopt.metrics.model_shape import GPTConfig
@@ -18,7 +19,7 @@ from lightning_trainopt.planner.strategy_layout import StrategyLayout
 from lightning_trainopt.planner.terms import MemoryEstimate, Term
 from lightning_trainopt.planner.terms import numel_text as _gb
 
-__all__ = ["TeacherPlan", "gpt_teacher_plan", "teacher_terms"]
+__all__ = ["TeacherPlan", "adapter_teacher_dict", "adapter_teacher_lines", "gpt_teacher_plan", "teacher_terms"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,35 @@ def teacher_terms(
             ),
         ]
     )
+
+
+def adapter_teacher_dict(inputs: Any) -> dict[str, Any]:
+    """The plan's JSON ``adapter`` and ``teacher`` entries (``None`` when there is none)."""
+    from lightning_trainopt.planner.adapters import adapter_summary
+
+    t = inputs.teacher
+    return {
+        "adapter": adapter_summary(inputs.adapter) if inputs.adapter is not None else None,
+        "teacher": None
+        if t is None
+        else {"name": t.name, "n_params": t.n_params, "forward_flops_per_token": t.forward_flops_per_token},
+    }
+
+
+def adapter_teacher_lines(inputs: Any) -> list[str]:
+    """The plan screen's lines about an adapter and a teacher (none without them)."""
+    lines = []
+    a = inputs.adapter
+    if a is not None:
+        what = "the base frozen in NF4 where targeted" if a.quantized else "the base frozen"
+        lines.append(
+            f"adapter {a.kind} r {a.r} on {len(a.targeted)} linear layers: {a.n_adapter:,} trainable of "
+            f"{a.n_adapter + a.n_base:,} parameters ({what}; an adapter changes what is trained)"
+        )
+    t = inputs.teacher
+    if t is not None:
+        lines.append(
+            f"teacher {t.name}: {t.n_params:,} frozen parameters, {t.forward_flops_per_token:.3g} forward FLOP/token "
+            "added to the step"
+        )
+    return lines

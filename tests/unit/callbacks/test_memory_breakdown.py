@@ -220,19 +220,19 @@ def test_the_default_steps_measure_every_run(max_steps, measured):
 
 
 class _PeftGPT(pl.LightningModule):
-    """Our tiny GPT through peft LoRA, its block linear layers in NF4 for ``qlora``: what ``adapter=`` trains."""
+    """Our tiny GPT with the adapter core's LoRA (peft), its targeted layers in NF4 for ``qlora``: what ``adapter=``
+    trains."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
-        peft = pytest.importorskip("peft")
+        pytest.importorskip("peft")
         from lightning_trainopt.models.gpt import GPT
-        from tests.helpers.nf4 import quantize_linears
+        from lightning_trainopt.transforms.adapters import AdapterSpec, apply_adapter
 
-        base = GPT(TINY)
+        self.model = GPT(TINY)
         self.base_for_plan = [GPT(TINY)]  # a plain copy (outside the module) the planner reads
-        if kind == "qlora":
-            base = quantize_linears(base)
-        self.model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+        targets = ("q_proj", "v_proj", "down_proj")
+        apply_adapter(self.model, AdapterSpec(kind=kind, r=4, target_modules=targets, compute_dtype="float32"))
 
     def training_step(self, batch, batch_idx):
         return self.model(batch[0]).float().square().mean()
