@@ -112,15 +112,35 @@ def adapter_refused(kind: str | None, layout: StrategyLayout, tensor_parallel: i
     return family is not None and row.get(family) is not None
 
 
+def _hf_teacher(path: Path, seq_len: int) -> TeacherPlan:
+    """A local Hugging Face model directory's teacher: its parameters read from the model built on the meta device,
+    its forward FLOPs as 2 per weight per token (the embedding excepted) + the full ``T x T`` attention products."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    numels = tuple(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    d = int(config.hidden_size)
+    layers = int(config.num_hidden_layers)
+    per_token = 2 * (sum(numels) - embed) + 4 * layers * seq_len * d
+    return TeacherPlan(str(getattr(config, "model_type", path.name)), numels, float(per_token), d)
+
+
 def teacher_plan(cfg: DictConfig, conf_dir: Path, seq_len: int) -> TeacherPlan | None:
-    """``plan.teacher``: a GPT model preset name (``gpt_350m``) whose forward and memory the plan adds.
+    """The distillation teacher to plan: ``plan.teacher`` (one of our GPT model presets, ``gpt_350m``), else under
+    ``experiment=distill`` the ``distill.teacher_model`` node (a ``GPTConfig``) or a local Hugging Face model directory
+    ``distill.teacher``; ``None`` without one. (Our ``.ckpt``/ZeRO/DCP teachers without ``distill.teacher_model`` are
+    not read: name their shape with ``plan.teacher``.)
 
     Raises:
-        ConfigError: not a model preset of ours.
+        ConfigError: ``plan.teacher`` is not a model preset of ours.
     """
     name = (cfg.get("plan") or {}).get("teacher")
     if name is None:
-        return None
+        return _distill_teacher(cfg, seq_len)
     path = conf_dir / "model" / f"{name}.yaml"
     node = _plain(OmegaConf.load(path)) if path.is_file() else None
     if not isinstance(node, dict) or not str(node.get("_target_", "")).endswith("GPTConfig"):
@@ -128,3 +148,17 @@ def teacher_plan(cfg: DictConfig, conf_dir: Path, seq_len: int) -> TeacherPlan |
         raise ConfigError("plan.teacher", name, f"name one of our GPT model presets: {', '.join(presets)}.")
     node.pop("_target_")
     return gpt_teacher_plan(GPTConfig(**node), seq_len)
+
+
+def _distill_teacher(cfg: DictConfig, seq_len: int) -> TeacherPlan | None:
+    distill = _plain(cfg.get("distill")) or {}
+    if not isinstance(distill, dict):
+        return None
+    node = distill.get("teacher_model")
+    if isinstance(node, dict) and str(node.get("_target_", "")).endswith("GPTConfig"):
+        node = {k: v for k, v in node.items() if k != "_target_"}
+        return gpt_teacher_plan(GPTConfig(**node), seq_len)
+    source = distill.get("teacher")
+    if isinstance(source, str) and (Path(source) / "config.json").is_file():
+        return _hf_teacher(Path(source), seq_len)
+    return None

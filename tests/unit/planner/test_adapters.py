@@ -193,3 +193,35 @@ def test_bad_adapter_plans_are_refused_with_the_key() -> None:
         AdapterPlan("dora", 4, ((4, 4),))
     with pytest.raises(ConfigError, match=r"adapter\.target_modules"):
         gpt_adapter_plan(TINY, "lora", 8, ["qkv"])
+
+
+def test_a_teacher_is_sharded_like_the_student_and_keeps_no_grads():
+    from lightning_trainopt.planner.teacher import gpt_teacher_plan, teacher_terms
+
+    teacher = gpt_teacher_plan(TINY, 64)
+    tokens = 4 * 64
+    whole = teacher_terms(teacher, 2, StrategyLayout(name="ddp", kind="ddp"), 2, tokens)
+    fsdp = teacher_terms(teacher, 2, StrategyLayout(name="fsdp", kind="fsdp"), 2, tokens)
+    offload = StrategyLayout(name="fsdp_offload", kind="fsdp", offload_params="cpu", offload_optimizer="cpu")
+    host = teacher_terms(teacher, 2, offload, 2, tokens)
+    assert whole.bytes("params") == 2 * teacher.n_params
+    assert fsdp.bytes("params") == pytest.approx(teacher.n_params, rel=0.01)
+    assert host.bytes("params") == 0 < host.bytes("params", "cpu")
+    for est in (whole, fsdp):
+        assert est.bytes("grads") == est.bytes("optimizer_states") == 0
+        assert est.bytes("activations") == 2 * tokens * TINY.d_model  # its last hidden states only
+
+
+def test_the_search_skips_an_adapter_the_compat_table_refuses(monkeypatch):
+    from lightning_trainopt.config.plan_adapter import adapter_refused
+    from lightning_trainopt.parallel import compat_table
+
+    fsdp = StrategyLayout(name="fsdp", kind="fsdp")
+    zero3 = StrategyLayout(name="zero3", kind="deepspeed", zero_stage=3)
+    assert not adapter_refused("qlora", zero3, 1)  # no row: nothing refused
+    row = dict.fromkeys(compat_table.FAMILIES, None)
+    row["zero3"] = compat_table.Refusal("zero.Init empties what peft reads", "use fsdp")
+    monkeypatch.setitem(compat_table.TABLE, "qlora", row)
+    assert adapter_refused("qlora", zero3, 1)
+    assert not adapter_refused("qlora", fsdp, 1)
+    assert not adapter_refused(None, zero3, 1)

@@ -3,6 +3,8 @@ QLoRA case against Answer.AI's published figures."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_trainopt.config.plan import plan
@@ -136,3 +138,28 @@ def test_70b_qlora_on_two_24gb_cards_against_answer_ai():
     assert with_offload < 24 * 2**30 / GB < without
     assert without == pytest.approx(35.6, rel=0.05)
     assert 0.5 * 19.6 < with_offload < 19.6
+
+
+def test_the_distill_nodes_teacher_is_planned(tmp_path):
+    """Under experiment=distill: a GPTConfig teacher_model node, or a local Hugging Face directory's config.json."""
+    import transformers
+    from omegaconf import OmegaConf
+
+    from lightning_trainopt.config.plan_adapter import teacher_plan
+    from lightning_trainopt.config.tree import CONF_DIR
+    from lightning_trainopt.models.gpt import GPT
+
+    shape = GPTConfig(name="t", vocab_size=64, n_layers=2)
+    node = {"_target_": "lightning_trainopt.models.GPTConfig", **dataclasses.asdict(shape)}
+    gpt = teacher_plan(OmegaConf.create({"distill": {"teacher": "x.ckpt", "teacher_model": node}}), CONF_DIR, 32)
+    assert gpt is not None
+    assert gpt.n_params == sum(p.numel() for p in GPT(shape).parameters())
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    config.save_pretrained(tmp_path)
+    hf = teacher_plan(OmegaConf.create({"distill": {"teacher": str(tmp_path)}}), CONF_DIR, 32)
+    assert hf is not None
+    assert hf.n_params == sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    assert hf.forward_flops_per_token > 2 * (hf.n_params - 128 * 32)
+    assert teacher_plan(OmegaConf.create({}), CONF_DIR, 32) is None
