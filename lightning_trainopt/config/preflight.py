@@ -578,7 +578,16 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     )
     check_packages(required_packages(p))
     check_tensor_parallel(cfg)
+    _check_adapter(cfg, precision)
     return preflight(p)
+
+
+def _check_adapter(cfg: Any, precision: dict[str, Any]) -> None:
+    """The ``adapter`` group's own pre-flight (``config/adapter_preflight.py``)."""
+    from lightning_trainopt.config.adapter_preflight import check_adapter
+    from lightning_trainopt.config.run_spec import adapter_spec
+
+    check_adapter(cfg, adapter_spec(cfg), precision)
 
 
 def _transforms_model(precision: dict[str, Any]) -> bool:

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 
 from lightning_trainopt.callbacks.activation_checkpointing import ActivationCheckpointing
 from lightning_trainopt.callbacks.activation_offload import _SavedTensorsTransformCallback
+from lightning_trainopt.checkpoint.adapter_state import install_adapter_checkpointing
 from lightning_trainopt.parallel.apply import RewritePlan, rewrite_at_configure_model
 from lightning_trainopt.transforms.adapters import AdapterSpec
 
@@ -58,3 +59,6 @@ def install_app_rewrites(
         if isinstance(cb, (ActivationCheckpointing, _SavedTensorsTransformCallback)):
             cb.report_only()
     rewrite_at_configure_model(module, plan)
+    if plan.adapter is not None:
+        # Checkpoints then hold the adapters without the frozen base, which the resumed run rebuilds and checks.
+        install_adapter_checkpointing(module, plan.adapter)

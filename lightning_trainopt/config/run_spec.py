@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from lightning_trainopt.config.model_kind import model_kind
 from lightning_trainopt.config.parallel_dims import parallel_dims_from_cfg
 from lightning_trainopt.config.strategy import plain_node, strategy_spec
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, cause_of_type
 from lightning_trainopt.parallel.dims import ParallelDims
 from lightning_trainopt.parallel.spec import StrategySpec
 from lightning_trainopt.precision.spec import PrecisionSpec
@@ -284,7 +284,14 @@ def adapter_spec(cfg: DictConfig) -> AdapterSpec:
     node = cfg.get("adapter")
     if node is None:
         return AdapterSpec()
-    spec = instantiate(node, _convert_="all")
+    try:
+        spec = instantiate(node, _convert_="all")
+    except Exception as err:
+        # Hydra wraps the spec's own refusal; the user wants the key it names.
+        cause = cause_of_type(err, ConfigError)
+        if cause is None:
+            raise
+        raise cause from None
     if not isinstance(spec, AdapterSpec):
         raise ConfigError("adapter._target_", type(spec).__name__, "pick a preset with adapter=none|lora|qlora.")
     return spec

@@ -36,6 +36,7 @@ __all__ = [
     "adapter_state_dict",
     "apply_adapter",
     "base_state_hash",
+    "check_targets",
     "default_target_modules",
     "describe",
     "frozen_base_names",
@@ -179,12 +180,40 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec) -> AdapterReport:
         MissingDependencyError: peft (or, for QLoRA, bitsandbytes) is not installed.
     """
     inner = inner_model(model)
-    targets = spec.target_modules or default_target_modules(model)
-    report = AdapterReport(kind=spec.kind, targets=targets)
     if not spec.enabled:
-        return report
+        return AdapterReport(kind=spec.kind, targets=())
     if is_adapter_model(inner):
-        return _count(report, model)
+        return _count(AdapterReport(kind=spec.kind, targets=spec.target_modules or ()), model)
+    targets = check_targets(model, spec)
+    report = AdapterReport(kind=spec.kind, targets=targets)
+    if spec.kind == "qlora":
+        report.quantized = _quantize_4bit(inner, targets, spec)
+    _inject_lora(inner, targets, spec)
+    # peft freezes the base, except where it keeps a Hugging Face model's output head trainable when the config
+    # asks to tie it to untied embeddings (a tiny Llama built from its config): freeze all but the adapters here.
+    prefixes = _adapter_prefixes(model)
+    for name, param in model.named_parameters():
+        if not any(name.startswith(p) for p in prefixes):
+            param.requires_grad_(False)
+        elif param.dtype in (torch.bfloat16, torch.float16):
+            # peft creates the adapters in the base layer's dtype (QLoRA's bf16 storage); they train in fp32, as
+            # get_peft_model's autocast_adapter_dtype does (a bf16-true run casts the whole module afterwards).
+            param.data = param.data.float()
+    report.adapted = [name for name, module in inner.named_modules() if _is_lora_layer(module)]
+    return _count(report, model)
+
+
+def check_targets(model: nn.Module, spec: AdapterSpec) -> tuple[str, ...]:
+    """The target names ``spec`` adapts on ``model`` (its own, else the architecture's defaults), each checked to
+    match a linear layer. Works on a model built on the meta device, so pre-flight can call it before any process
+    starts.
+
+    Raises:
+        ConfigError: an architecture without defaults, or a target that matches no linear layer (both naming
+            ``adapter.target_modules`` and listing the model's linear layers).
+    """
+    inner = inner_model(model)
+    targets = spec.target_modules or default_target_modules(model)
     matched = [name for name, _ in _target_layers(inner, targets)]
     missing = [t for t in targets if not any(_matches(name, t) for name in matched)]
     if missing:
@@ -194,11 +223,7 @@ def apply_adapter(model: nn.Module, spec: AdapterSpec) -> AdapterReport:
             list(targets),
             f"{missing} match no linear layer of {type(inner).__name__}; pick among {names}.",
         )
-    if spec.kind == "qlora":
-        report.quantized = _quantize_4bit(inner, targets, spec)
-    _inject_lora(inner, targets, spec)
-    report.adapted = [name for name, module in inner.named_modules() if _is_lora_layer(module)]
-    return _count(report, model)
+    return targets
 
 
 def is_adapter_model(model: nn.Module) -> bool:
@@ -275,7 +300,7 @@ def _inject_lora(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec) 
     conv1d = any(type(m).__name__ == "Conv1D" for _, m in _target_layers(model, targets))
     config = LoraConfig(
         r=spec.r,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # peft annotates int; it divides by r, a float works
         lora_dropout=spec.dropout,
         target_modules=list(targets),
         bias="none",
@@ -302,6 +327,7 @@ def _quantize_4bit(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec
     quantized = []
     for name, layer in _target_layers(model, targets):
         weight = layer.weight
+        assert isinstance(weight, torch.Tensor)
         if weight.is_meta:
             raise ConfigError(
                 "adapter.kind",
@@ -332,6 +358,10 @@ def _quantize_4bit(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec
         )
         if bias is not None:
             new.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # Off: in eval on an AVX512-BF16 CPU, bitsandbytes repacks the weight and its quantization state in place for
+        # its CPU kernel (and back when the state dict is read, not bit for bit), so a validation pass would change
+        # the frozen base that a resume checks by hash (that kernel also fails on layers narrower than 64 inputs).
+        new.support_avx512bf16_for_cpu = False
         # Moving a Params4bit to a real device is what quantizes it (bitsandbytes' rule; it runs on CPU too).
         new = new.to(weight.device)
         parent_name, _, child = name.rpartition(".")

@@ -70,6 +70,11 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(kind):
     # Bit for bit: QLoRA's packed 4-bit weights seen as bf16 hold NaN patterns, which torch.equal calls unequal.
     assert all(torch.equal(_bits(after[k]), _bits(v)) for k, v in base.items())
     assert base_state_hash(module) == before
+    # A validation pass leaves it too (bitsandbytes' in-place CPU repacking of 4-bit weights is off).
+    module.eval()
+    with torch.no_grad():
+        module(torch.randint(0, 256, (1, 8)))
+    assert base_state_hash(module) == before
     # Optimizer states exist for the adapter parameters only.
     opt = module.__dict__["_test_optimizer"]
     with_state = {id(p) for p in opt.state}

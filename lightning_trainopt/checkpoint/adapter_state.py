@@ -1,0 +1,125 @@
+"""Checkpoints of an adapter run: the adapters (and the optimizer, RNG and data position Lightning keeps), without the
+frozen base when the run can rebuild it.
+
+The frozen base of a LoRA/QLoRA run is what the model's config (``model=...``, ``model.pretrained``) and the seed
+build; writing it into every checkpoint would make each one as large as the model for no state that changes. So
+:func:`install_adapter_checkpointing` wraps the LightningModule's ``on_save_checkpoint`` to drop the base's tensors
+from ``checkpoint["state_dict"]`` and record how to rebuild it and a SHA-256 of its tensors
+(:func:`~lightning_trainopt.transforms.adapters.base_state_hash`); on resume ``on_load_checkpoint`` (which Lightning
+calls after ``configure_model`` has rebuilt the model, before it loads the state dict) checks that the rebuilt base
+has that hash and that the checkpoint holds every adapter tensor, then lets Lightning load the adapters
+(``strict_loading=False``, because the base keys are absent on purpose; the check above replaces strictness).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.transforms.adapters import (
+    AdapterSpec,
+    adapter_state_dict,
+    base_state_hash,
+    describe,
+    frozen_base_names,
+)
+
+__all__ = ["ADAPTER_KEY", "install_adapter_checkpointing", "restore_frozen_base", "strip_frozen_base"]
+
+#: The checkpoint entry that records the adapter and how to rebuild its base.
+ADAPTER_KEY = "trainopt_adapter"
+_HASH = "_trainopt_base_sha256"
+_INSTALLED = "_trainopt_adapter_checkpointing"
+
+
+def strip_frozen_base(module: Any, checkpoint: dict[str, Any], spec: AdapterSpec) -> None:
+    """Drop the frozen base from ``checkpoint["state_dict"]`` and record the adapter, the base's hash and how to
+    rebuild it under :data:`ADAPTER_KEY`."""
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):
+        return
+    base = frozen_base_names(module)
+    for key in base:
+        state.pop(key, None)
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    model = hparams.get("model")
+    checkpoint[ADAPTER_KEY] = {
+        "spec": describe(spec),
+        "base_sha256": _base_hash(module),
+        "base_tensors_left_out": len(base),
+        "adapter_tensors": sorted(adapter_state_dict(module)),
+        # How this run builds its base again: the module class with the model node of hyper_parameters (our presets'
+        # shape, or model.config / model.pretrained of a Hugging Face model), seeded as the run was.
+        "rebuild": {
+            "module": f"{type(module).__module__}.{type(module).__qualname__}",
+            "model": model if isinstance(model, dict) else None,
+            "seed": os.environ.get("PL_GLOBAL_SEED"),
+        },
+    }
+
+
+def restore_frozen_base(module: Any, checkpoint: dict[str, Any]) -> None:
+    """Check a checkpoint written by :func:`strip_frozen_base` against the rebuilt ``module``.
+
+    Raises:
+        ConfigError: the rebuilt base differs from the one the adapters were trained on (another model, seed or
+            ``model.pretrained``), or the checkpoint lacks adapter tensors (key ``ckpt_path``).
+    """
+    record = checkpoint.get(ADAPTER_KEY)
+    if not isinstance(record, dict):
+        return
+    rebuilt = _base_hash(module)
+    if rebuilt != record.get("base_sha256"):
+        rebuild = record.get("rebuild", {})
+        raise ConfigError(
+            "ckpt_path",
+            "(this checkpoint)",
+            "its adapters were trained on another frozen base than this run builds (SHA-256 of the base "
+            f"{str(record.get('base_sha256'))[:12]}..., rebuilt {rebuilt[:12]}...); resume with the model, "
+            f"model.pretrained and seed of the run that wrote it (seed {rebuild.get('seed')}, model "
+            f"{rebuild.get('model')}).",
+        )
+    state = checkpoint.get("state_dict", {})
+    missing = sorted(set(adapter_state_dict(module)) - set(state))
+    if missing:
+        raise ConfigError(
+            "ckpt_path",
+            "(this checkpoint)",
+            f"it lacks {len(missing)} adapter tensors of this model (first: {missing[0]}); resume with the adapter "
+            f"settings it was written with: {record.get('spec')}.",
+        )
+
+
+def install_adapter_checkpointing(module: Any, spec: AdapterSpec) -> None:
+    """Make ``module``'s checkpoints hold the adapters without the frozen base, and check the base on resume.
+
+    Wraps ``on_save_checkpoint``/``on_load_checkpoint`` on the instance (a user's LightningModule keeps its own hooks,
+    which run first) and sets ``strict_loading=False``. Once per module.
+    """
+    if not spec.enabled or module.__dict__.get(_INSTALLED):
+        return
+    module.__dict__[_INSTALLED] = True
+    own_save, own_load = module.on_save_checkpoint, module.on_load_checkpoint
+
+    def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:
+        own_save(checkpoint)
+        strip_frozen_base(module, checkpoint, spec)
+
+    def on_load_checkpoint(checkpoint: dict[str, Any]) -> None:
+        own_load(checkpoint)
+        restore_frozen_base(module, checkpoint)
+
+    module.on_save_checkpoint = on_save_checkpoint
+    module.on_load_checkpoint = on_load_checkpoint
+    module.strict_loading = False
+
+
+def _base_hash(module: Any) -> str:
+    """The base's hash, worked out once per module: the base is frozen, so it cannot change during the run."""
+    cached = module.__dict__.get(_HASH)
+    if isinstance(cached, str):
+        return cached
+    value = base_state_hash(module)
+    module.__dict__[_HASH] = value
+    return value
