@@ -28,6 +28,7 @@ from lightning_trainopt.config.plan_inputs import (
     strategy_layout,
     validate_like_train,
 )
+from lightning_trainopt.config.preflight import adapter_kind
 from lightning_trainopt.config.tree import CONF_DIR
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.hardware import compute_dtype_key
@@ -169,7 +170,10 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
             name = choices.get("precision")
             swapped = name is not None and name != base_precision and (conf / "precision" / f"{name}.yaml").is_file()
             precision = load_preset(conf, "precision", name) if swapped and name else cfg.get("precision")
-            check_compatible(strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"), precision)
+            adapter = adapter_kind(cfg)
+            check_compatible(
+                strategy, inputs.trainer_precision, target, on_cuda, cfg.get("callbacks"), precision, adapter
+            )
         except IncompatibleConfigError:
             return False
         return True

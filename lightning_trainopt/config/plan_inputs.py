@@ -241,6 +241,9 @@ def check_compatible(
     on_cuda: bool,
     callbacks: Any = None,
     precision: Any = None,
+    adapter: str = "none",
+    tensor_parallel: int = 1,
+    data_parallel: int = 1,
 ) -> None:
     """Refuse what ``train.py``'s pre-flight refuses (``config.preflight.RULES``), for the planned hardware.
 
@@ -256,11 +259,13 @@ def check_compatible(
         on_cuda: the planned hardware has CUDA devices (``hardware`` is not ``cpu``).
         callbacks: the ``callbacks`` node (for callback rules).
         precision: the ``precision`` node (for the FP8 and ``keep_fp32`` rules: ``fp8_te`` on a CPU, FP8 with FSDP1).
+        adapter: ``adapter.kind``, checked against the adapter x strategy table (``parallel/compat_table.py``) at
+            the ``tensor_parallel`` and ``data_parallel`` sizes.
 
     Raises:
         IncompatibleConfigError: the combination ``train.py`` would refuse, with its reason and fix.
     """
-    from lightning_trainopt.config.preflight import RULES, PreflightInput
+    from lightning_trainopt.config.preflight import RULES, PreflightInput, check_adapter_table
 
     # Only the callbacks' _target_ strings matter; resolving whole nodes would fail outside a Hydra run on
     # interpolations such as ${hydra:runtime.output_dir} (the notebook, the ladder's report callback).
@@ -282,6 +287,13 @@ def check_compatible(
     for rule in RULES:
         if not rule.machine_specific and rule.applies(p):
             raise IncompatibleConfigError(rule.keys(p), rule.reason, rule.fix)
+    check_adapter_table(adapter, p.strategy.family_at(tensor_parallel, data_parallel), p.preset)
+
+
+def _adapter_kind(cfg: DictConfig) -> str:
+    from lightning_trainopt.config.preflight import adapter_kind
+
+    return adapter_kind(cfg)
 
 
 def model_of(cfg: DictConfig) -> GPTConfig | ModelProfile:
@@ -343,6 +355,9 @@ def build_plan_inputs(cfg: DictConfig, activations_name: str = "none") -> PlanIn
         on_cuda,
         cfg.get("callbacks"),
         cfg.get("precision"),
+        _adapter_kind(cfg),
+        dims.tp,
+        dims.dp,
     )
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:

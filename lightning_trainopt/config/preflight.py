@@ -97,6 +97,8 @@ class PreflightInput:
         techniques: the model rewrites the config turns on, as rows of
             :data:`~lightning_trainopt.parallel.compat_table.TABLE` (``fp8``, ``checkpoint``, ``compile``...);
             default: ``fp8``/``keep_fp32`` from the precision fields above.
+        adapter: ``adapter.kind`` (``none``, ``lora``, ``qlora``): the adapter dimension of the table
+            (:data:`~lightning_trainopt.parallel.compat_table.ADAPTER_TABLE`).
     """
 
     strategy: StrategySpec = _NO_STRATEGY
@@ -114,6 +116,7 @@ class PreflightInput:
     transforms_model: bool = False
     techniques: tuple[str, ...] | None = None
     tensor_parallel: int = 1
+    adapter: str = "none"
 
     def rewrites(self) -> tuple[str, ...]:
         """The table rows that apply: :attr:`techniques`, else what the precision fields imply."""
@@ -497,6 +500,27 @@ def check_rewrite_table(p: PreflightInput) -> None:
             key = TECHNIQUE_KEYS[technique]
             value = p.precision_preset if key == "precision" else technique
             raise IncompatibleConfigError({key: value, "strategy": p.preset}, refusal.reason, refusal.fix)
+    check_adapter_table(p.adapter, family, p.preset)
+
+
+def check_adapter_table(adapter: str, family: str | None, preset: str) -> None:
+    """Refuse an adapter x strategy pair that :data:`~lightning_trainopt.parallel.compat_table.ADAPTER_TABLE`
+    refuses (``train.py``'s pre-flight and ``plan.py`` both call it).
+
+    Raises:
+        IncompatibleConfigError: naming ``adapter`` and ``strategy``, with the reason and what to use instead.
+    """
+    from lightning_trainopt.parallel.compat_table import adapter_cell
+
+    refusal = adapter_cell(adapter, family) if family is not None else None  # type: ignore[arg-type]
+    if refusal is not None:
+        raise IncompatibleConfigError({"adapter": adapter, "strategy": preset}, refusal.reason, refusal.fix)
+
+
+def adapter_kind(cfg: Any) -> str:
+    """``adapter.kind`` of a composed config (``none`` without an ``adapter`` group)."""
+    node: Any = cfg.get("adapter") if hasattr(cfg, "get") else None
+    return str(node.get("kind", "none")) if hasattr(node, "get") else "none"
 
 
 def config_techniques(cfg: Any, precision: dict[str, Any]) -> tuple[str, ...]:
@@ -575,6 +599,7 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
         transforms_model=_transforms_model(precision),
         techniques=config_techniques(cfg, precision),
         tensor_parallel=tensor_parallel_size(cfg),
+        adapter=adapter_kind(cfg),
     )
     check_packages(required_packages(p))
     check_tensor_parallel(cfg)

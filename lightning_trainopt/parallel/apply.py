@@ -68,6 +68,7 @@ __all__ = [
     "apply_fully_shard",
     "apply_rewrites",
     "compile_model",
+    "planned_rewrite",
     "rewrite_at_configure_model",
     "rewrite_report",
     "with_saved_tensors",
@@ -78,6 +79,7 @@ STEPS = ("convert", "tensor_parallel", "activations", "compile", "shard")
 
 _SAVED_TENSORS_FORWARD = "_trainopt_saved_tensors_forward"
 _REPORT = "_trainopt_rewrite_report"
+_PLAN = "_trainopt_rewrite_plan"
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ def rewrite_at_configure_model(module: Any, plan: RewritePlan) -> None:
     """
     if plan.shard != "none":
         raise ConfigError("plan.shard", plan.shard, "sharding is the strategy's step; give shard='none' here.")
+    module.__dict__[_PLAN] = plan  # read by the strategies before the hook runs (planned_rewrite)
     own = module.configure_model
 
     def configure_model(self: Any) -> None:
@@ -231,6 +234,14 @@ def rewrite_at_configure_model(module: Any, plan: RewritePlan) -> None:
         self.__dict__[_REPORT] = applied
 
     module.configure_model = types.MethodType(configure_model, module)
+
+
+def planned_rewrite(module: Any) -> RewritePlan | None:
+    """The plan :func:`rewrite_at_configure_model` installed on ``module`` (before or after it ran), ``None`` without
+    one: a strategy asks it before ``configure_model`` builds the model (FSDP2 builds a model that gets adapters
+    whole, not on the meta device)."""
+    plan = getattr(module, "__dict__", {}).get(_PLAN)
+    return plan if isinstance(plan, RewritePlan) else None
 
 
 def _convert_by_plugin(module: Any) -> ConversionReport | None:

@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "ADAPTERS",
+    "ADAPTER_TABLE",
     "FAMILIES",
     "OK",
     "TABLE",
     "TECHNIQUES",
     "TECHNIQUE_KEYS",
     "Refusal",
+    "adapter_cell",
     "cell",
     "family_of",
     "refusals_markdown",
@@ -87,6 +90,55 @@ for _family in ("tp", "fsdp_tp"):
     TABLE["int8"][_family] = _TP_INT8
 
 
+# The adapter dimension (``adapter=lora|qlora``, issue #22): which strategy family trains which adapter. What the
+# strategies that take one do differently is in parallel/adapters.py; tests/integration/test_adapter_sharding.py fits
+# every OK cell of ddp, zero12, zero3, fsdp2 and tp on 2 gloo ranks.
+Adapter = Literal["lora", "qlora"]
+ADAPTERS: tuple[Adapter, ...] = ("lora", "qlora")
+
+_FSDP1_ADAPTER = Refusal(
+    "FSDP1 (Lightning's FSDPStrategy) flattens each unit's parameters into one tensor, so a unit that mixes the frozen "
+    "base and trainable adapters keeps gradient and optimizer memory for the whole flat tensor (or needs "
+    "use_orig_params and still reduces the frozen gradients' buffers), and it cannot shard bitsandbytes' 4-bit "
+    "weights; on a CPU it does not run at all.",
+    "use +strategy=fsdp (FSDP2: per-parameter sharding, only the adapters get gradients and optimizer states).",
+)
+_ZERO_QLORA = Refusal(
+    "DeepSpeed's engine breaks bitsandbytes' 4-bit weights: under ZeRO-1/2 the first forward fails (\"shape '[64, 32]' "
+    'is invalid for input of size 4096", measured with deepspeed 0.19.8 and bitsandbytes 0.50.2 on 2 gloo ranks), '
+    "and ZeRO-3's zero.Init partitions the packed weights into flat buffers that lose their quantization state.",
+    "use +strategy=fsdp with adapter=qlora (FSDP2 shards the 4-bit weights stored as bfloat16: Answer.AI's recipe), "
+    "or adapter=lora with ZeRO.",
+)
+_TP_QLORA = Refusal(
+    "a 4-bit weight is packed two values a byte in one flat column, with one scale per block of 64 values, so it "
+    "cannot be split into the rows or columns a column- or row-parallel layer holds.",
+    "use +strategy=fsdp with adapter=qlora, or adapter=lora with +strategy=tp.",
+)
+_FSDP_TP_ADAPTER = Refusal(
+    "LoRA's tensor-parallel plan (parallel/adapters.py) is tested with tensor parallelism alone; under FSDP2 x TP the "
+    "adapters' replicated and sharded pieces on two meshes have not been verified in this project.",
+    "use +strategy=tp (tensor parallelism only) or +strategy=fsdp with the adapter.",
+)
+
+#: ``ADAPTER_TABLE[adapter][family]``: ``OK`` or the refusal (the adapter dimension of :data:`TABLE`).
+ADAPTER_TABLE: dict[Adapter, dict[Family, Refusal | None]] = {
+    adapter: dict.fromkeys(FAMILIES, OK) for adapter in ADAPTERS
+}
+for _adapter in ADAPTERS:
+    ADAPTER_TABLE[_adapter]["fsdp1"] = _FSDP1_ADAPTER
+    ADAPTER_TABLE[_adapter]["fsdp_tp"] = _FSDP_TP_ADAPTER
+ADAPTER_TABLE["qlora"]["zero12"] = _ZERO_QLORA
+ADAPTER_TABLE["qlora"]["zero3"] = _ZERO_QLORA
+ADAPTER_TABLE["qlora"]["tp"] = _TP_QLORA
+
+
+def adapter_cell(adapter: str, family: Family) -> Refusal | None:
+    """The adapter table's cell: ``None`` (trains) or the :class:`Refusal`; ``adapter="none"`` is always ``None``."""
+    row = ADAPTER_TABLE.get(adapter)  # type: ignore[call-overload]
+    return None if row is None else row[family]
+
+
 def cell(technique: Technique, family: Family) -> Refusal | None:
     """The table's cell: ``None`` (composes) or the :class:`Refusal`."""
     return TABLE[technique][family]
@@ -122,10 +174,13 @@ def family_of(
 
 
 def refusals_markdown() -> str:
-    """The table's refused cells as markdown rows ``| technique + family | reason | fix |``."""
+    """The tables' refused cells as markdown rows ``| technique + family | reason | fix |`` (the adapters' as
+    ``adapter=lora + family``)."""
+    rows: list[tuple[str, dict[Family, Refusal | None]]] = list(TABLE.items())
+    rows += [(f"adapter={adapter}", row) for adapter, row in ADAPTER_TABLE.items()]
     return "\n".join(
         f"| {technique} + {family} | {refusal.reason} | {refusal.fix} |"
-        for technique, row in TABLE.items()
+        for technique, row in rows
         for family, refusal in row.items()
         if refusal is not None
     )

@@ -23,6 +23,7 @@ from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.checkpoint.nvme_resume import restore_nvme_optimizer_state
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.optim.schedules import peak_lr
+from lightning_trainopt.parallel.adapters import restore_adapter_init
 from lightning_trainopt.parallel.ddp import DimsSampling
 from lightning_trainopt.parallel.deepspeed_json import check_json_precision
 from lightning_trainopt.parallel.op_builds import announce_op_builds
@@ -287,6 +288,9 @@ class TrainOptDeepSpeedStrategy(DimsSampling, DeepSpeedStrategyHooks):
             yield
         if self.zero_stage_3 and module is not None:
             _rerun_custom_init(module, existing)
+            # zero.Init emptied the adapters before peft initialised them (peft #2916), and the owner's init just
+            # re-run wrote its own into them: peft's init again, on the adapters built in this context only.
+            restore_adapter_init(module, existing)
 
     # ----------------------------------------------------------------- config mapping
     @property

@@ -16,7 +16,8 @@ from typing_extensions import override
 from lightning_trainopt._compat.lightning_internals import PathLike, shard_fully_when_auto
 from lightning_trainopt.checkpoint.files import save_directory_checkpoint
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites
+from lightning_trainopt.parallel.adapters import prepare_4bit_for_fsdp2
+from lightning_trainopt.parallel.apply import RewritePlan, apply_fully_shard, apply_rewrites, planned_rewrite
 from lightning_trainopt.parallel.ddp import DimsSampling
 from lightning_trainopt.parallel.meta_init import has_meta_tensors, materialize_sharded
 from lightning_trainopt.parallel.spec import StrategySpec, fsdp_spec
@@ -24,6 +25,12 @@ from lightning_trainopt.precision.transform_plugins import ModelTransforms
 from lightning_trainopt.transforms.blocks import block_classes, own_class
 
 __all__ = ["TrainOptFSDPStrategy", "apply_fully_shard", "block_classes"]
+
+
+def _adapter_planned(module: pl.LightningModule) -> bool:
+    """The app's rewrite installed on ``module`` injects LoRA/QLoRA adapters."""
+    adapter = getattr(planned_rewrite(module), "adapter", None)
+    return adapter is not None and getattr(adapter, "kind", "none") != "none"
 
 
 @contextlib.contextmanager
@@ -133,6 +140,10 @@ class TrainOptFSDPStrategy(DimsSampling, ModelParallelStrategy):
 
         if not self.meta_init or module is None:
             return False
+        if _adapter_planned(module):
+            # peft injects into built layers (QLoRA quantizes real weights) and the meta replay would draw the
+            # adapters' init as the base's: a model with adapters is built whole, then sharded.
+            return False
         if isinstance(module, (LitGPT, LitCausalLM)):
             return module.model is None
         return is_overridden("configure_model", module) and next(module.parameters(), None) is None
@@ -174,6 +185,8 @@ class TrainOptFSDPStrategy(DimsSampling, ModelParallelStrategy):
             # FP8 (torchtitan's order). Lightning's own call in super().setup() then finds the model converted.
             self.precision_plugin.transform(self.model)
         units = self._units(self.model)
+        if not already:
+            prepare_4bit_for_fsdp2(self.model)  # QLoRA: float storage, no in-place CPU repacking (parallel/adapters)
         # The ordered rewrite's last step (its layer conversion ran just above, through the precision plugin, which
         # keeps the report PrecisionReport reads).
         plan = RewritePlan(

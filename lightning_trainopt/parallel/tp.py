@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_trainopt._compat.torch_internals import head_colwise_parallel
 from lightning_trainopt.exceptions import IncompatibleConfigError
+from lightning_trainopt.parallel.adapters import adapter_tp_plan
 
 __all__ = [
     "ARCHITECTURES",
@@ -175,6 +176,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
 
         colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     tied = _tied(model, embed, head)
+    # SequenceParallel replaces a norm's weight by a new Parameter that requires grad: a frozen base (LoRA) must stay
+    # frozen, so what was frozen is frozen again below.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     # The residual stream stays a DTensor sharded over the sequence (use_local_output=False), so a model that reads
     # the sequence length from it (Hugging Face's causal mask and positions) sees the whole length.
     top = {
@@ -208,7 +212,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
     }
     layers: Any = model.get_submodule(blocks)  # an nn.ModuleList
     for layer in layers:
-        parallelize_module(layer, tp_mesh, block_plan)
+        # A peft LoRA layer in place of a linear layer: its base and adapters get their own styles.
+        parallelize_module(layer, tp_mesh, adapter_tp_plan(layer, block_plan))
         if arch == "gpt":  # each rank computes its own heads
             layer.get_submodule(attn).n_heads //= tp
             layer.get_submodule(attn).kv_heads //= tp
@@ -216,6 +221,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, float8: bool = False)
         # Row-parallel embedding and column-parallel head both shard the (vocab, d_model) matrix on dimension 0:
         # one DTensor serves both, as the tie did before (parallelize_module made a second Parameter of it).
         model.get_submodule(head).weight = model.get_submodule(embed).weight
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     return TPReport(
         architecture=arch,
         tp=tp,
