@@ -51,8 +51,6 @@ def main() -> None:
         for name, model in models().items():
             plan = module_adapter_plan(model, kind, 16, TARGETS)
             apply_adapter(model, AdapterSpec(kind=kind, r=16, target_modules=TARGETS, compute_dtype="float32"))
-            for n, p in model.named_parameters():  # adapters only (the core leaves an HF head trainable)
-                p.requires_grad_("lora_" in n)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             out = model(torch.randint(0, 2048, (2, 64)))
             (out if isinstance(out, torch.Tensor) else out.logits).float().square().mean().backward()

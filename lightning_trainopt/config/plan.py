@@ -157,7 +157,8 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
     base_precision = plan_choices(cfg).get("precision")
 
     def allowed(choices: dict[str, str], inputs: PlanInputs) -> bool:
-        if adapter_refused(inputs.adapter.kind if inputs.adapter else None, inputs.layout, inputs.tensor_parallel):
+        kind = inputs.adapter.kind if inputs.adapter else None
+        if adapter_refused(kind, inputs.layout, inputs.tensor_parallel, inputs.data_parallel_size):
             return False
         name = choices.get("strategy")
         strategy = load_preset(conf, "strategy", name) if name and name != NO_STRATEGY else None

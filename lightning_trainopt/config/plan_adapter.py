@@ -97,19 +97,16 @@ def adapter_plans_to_search(cfg: DictConfig, model: GPTConfig | ModelProfile) ->
     return {"none": None, **{kind: _make(kind, node, model, cfg) for kind in ("lora", "qlora")}}
 
 
-def adapter_refused(kind: str | None, layout: StrategyLayout, tensor_parallel: int) -> bool:
-    """Whether the technique x strategy table (``parallel/compat_table.py``) refuses ``kind`` with this strategy: the
-    search then skips it, as ``train.py``'s pre-flight would refuse it."""
+def adapter_refused(kind: str | None, layout: StrategyLayout, tensor_parallel: int, data_parallel: int) -> bool:
+    """Whether the adapter x strategy table (``parallel/compat_table.py`` ``adapter_cell``) refuses ``kind`` with this
+    strategy: the search then skips the pair, as ``train.py``'s pre-flight refuses it."""
     if kind in (None, "none"):
         return False
-    from lightning_trainopt.parallel.compat_table import TABLE, family_of
+    from lightning_trainopt.parallel.compat_table import adapter_cell, family_of
 
-    row: dict[str, Any] | None = TABLE.get(kind)  # type: ignore[call-overload]
-    if row is None:
-        return False
     spec_kind = {"single": "none"}.get(layout.kind, layout.kind)
-    family = family_of(spec_kind, layout.zero_stage or None, 2, tensor_parallel, 2)
-    return family is not None and row.get(family) is not None
+    family = family_of(spec_kind, layout.zero_stage or None, 2, tensor_parallel, data_parallel)
+    return family is not None and adapter_cell(kind, family) is not None
 
 
 def _hf_teacher(path: Path, seq_len: int) -> TeacherPlan:
