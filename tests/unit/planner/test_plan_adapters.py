@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from lightning_trainopt.config.plan import plan
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner import PlanInputs, StrategyLayout
 from lightning_trainopt.planner.activations import ActivationPolicy
@@ -20,7 +20,7 @@ pytest.importorskip("peft")
 
 SMALL_SEARCH = [
     "plan.search_space.precision=[bf16]",
-    "plan.search_space.strategy=[ddp,fsdp]",
+    "plan.search_space.strategy=[ddp,fsdp,zero2]",
     "plan.search_space.activations=[checkpoint]",
     "plan.search_space.optimizer=[adamw]",
     "plan.search_space.micro_batch=[1]",
@@ -61,6 +61,16 @@ def test_the_search_chooses_an_adapter_only_when_allowed(tmp_path):
     assert win.choices["adapter"] in ("lora", "qlora")
     assert f"adapter={win.choices['adapter']}" in opened.command
     assert {c.choices["adapter"] for c in opened.candidates} <= {"lora", "qlora"}
+    # The adapter x strategy table refuses QLoRA under DeepSpeed: the search never offers the pair.
+    pairs = {(c.choices["adapter"], c.choices["strategy"]) for c in opened.candidates}
+    assert ("qlora", "zero2") not in pairs
+    assert ("lora", "zero2") in pairs
+
+
+def test_plan_refuses_the_pairs_train_refuses(tmp_path):
+    args = ["model=gpt_tiny", "hardware=a10g", "trainer.devices=2", "+strategy=zero2", "adapter=qlora"]
+    with pytest.raises(IncompatibleConfigError, match="adapter"):
+        plan(compose_config(args, tmp_path, name="plan"))
 
 
 def test_plan_adapters_must_be_a_boolean(tmp_path):
