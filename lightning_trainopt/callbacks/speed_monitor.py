@@ -45,6 +45,18 @@ ANALYTIC, USER_FN, COUNTER, UNKNOWN = (
 )
 
 
+def _with_teacher_flops(
+    flops: tuple[int, int] | None, pl_module: pl.LightningModule, shape: BatchSize | None, user_fn: bool
+) -> tuple[int, int] | None:
+    """A distilling module's teacher forward (``teacher_forward_flops``) is work done: added to model and hardware
+    FLOPs (a ``flops_per_batch_fn`` of the user's is taken as the whole count)."""
+    teacher = getattr(pl_module, "teacher_forward_flops", None)
+    if flops is None or user_fn or not callable(teacher) or shape is None or shape.seq_len is None:
+        return flops
+    extra = int(teacher(shape.samples, shape.seq_len))
+    return flops[0] + extra, flops[1] + extra
+
+
 def checkpointed_fraction(module: torch.nn.Module, n_blocks: int | None) -> float:
     """Share of transformer blocks whose forward is recomputed in backward.
 
@@ -330,6 +342,7 @@ class SpeedMonitor(Callback):
     ) -> None:
         count = self._sizer(batch)
         flops = self._batch_flops(trainer, pl_module, batch, count.shape)  # before the clock: counting is not timed
+        flops = _with_teacher_flops(flops, pl_module, count.shape, self._flops_source == USER_FN)
         self._window.start()
         model, hardware = flops if flops is not None else (None, None)
         if model and count.shape is not None and count.shape.seq_len is not None:

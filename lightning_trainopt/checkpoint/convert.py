@@ -19,7 +19,7 @@ import torch
 from lightning_trainopt.checkpoint.dcp import is_dcp_checkpoint, read_dcp_tensors
 from lightning_trainopt.exceptions import ConfigError
 
-__all__ = ["convert_checkpoint", "convert_zero_to_fp32", "main"]
+__all__ = ["convert_checkpoint", "convert_zero_to_fp32", "main", "read_checkpoint_weights"]
 
 _PREFIXES = ("model.", "_orig_mod.")
 
@@ -88,6 +88,33 @@ def convert_checkpoint(
     if hf_dir is not None:
         _save_hf(model, shape, state, hf_dir)
     return state
+
+
+def read_checkpoint_weights(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(plain state dict, hyper-parameters)`` of any checkpoint this app writes, on one process.
+
+    A Lightning ``.ckpt`` file, a DeepSpeed ZeRO directory or a DCP directory (FSDP2/TP), read as
+    :func:`convert_checkpoint` reads them; keys are the plain model's (the LightningModule's ``model.`` stripped),
+    tied weights as the checkpoint saved them.
+
+    Raises:
+        ConfigError: ``checkpoint`` is none of them.
+    """
+    if os.path.isfile(checkpoint):
+        full = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+        if not isinstance(full, Mapping) or not isinstance(full.get("state_dict"), Mapping):
+            raise ConfigError("checkpoint", os.fspath(checkpoint), "not a Lightning checkpoint (it has no state_dict).")
+        return _strip(full["state_dict"]), dict(full.get("hyper_parameters") or {})
+    if is_dcp_checkpoint(checkpoint):
+        return _read_dcp(checkpoint, None)
+    if _is_deepspeed(checkpoint):
+        return _read_zero(checkpoint, None)
+    raise ConfigError(
+        "checkpoint",
+        os.fspath(checkpoint),
+        "give a Lightning .ckpt file, a DeepSpeed checkpoint directory (it holds checkpoint/) or an FSDP2/TP "
+        "checkpoint directory (it holds DCP's .metadata).",
+    )
 
 
 def convert_zero_to_fp32(

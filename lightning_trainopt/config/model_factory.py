@@ -104,6 +104,10 @@ def build_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.LightningModu
         ConfigError: the model node is invalid (a missing file, an unknown override, a class that is not a
             LightningModule), or a loss that cannot run here (``loss=liger`` without CUDA), from its constructor.
     """
+    if model.distill is not None:
+        from lightning_trainopt.config.distill import build_distill_module
+
+        return build_distill_module(model, optimizer)
     loss = instantiate(model.loss, _convert_="all") if model.loss else None
     if model.kind == "module":
         if loss is not None:
@@ -139,7 +143,8 @@ def meta_module_of(model: ModelSpec, optimizer: OptimizerSpec) -> torch.nn.Modul
     """
     # The planner counts the loss itself; building it could need this machine to run it (loss=liger: CUDA).
     with torch.device("meta"):
-        module = build_module(replace(model, loss=None), optimizer)
+        # The student alone: the planner counts a distillation teacher itself.
+        module = build_module(replace(model, loss=None, distill=None), optimizer)
         module.configure_model()
     return module
 

@@ -65,12 +65,14 @@ class ModelSpec:
         name: ``model.name`` of our presets (what metrics.json calls the model), ``None`` when the node has none.
         node: the ``model`` node.
         loss: the ``loss`` node, ``None`` for ``loss=standard`` (a node without ``_target_``).
+        distill: the ``distill`` node of ``experiment=distill`` (the teacher and the loss), ``None`` otherwise.
     """
 
     kind: str
     name: str | None
     node: Node
     loss: Node | None
+    distill: Node | None = None
 
 
 @dataclass(frozen=True)
@@ -306,11 +308,13 @@ def model_spec(cfg: DictConfig) -> ModelSpec:
     kind = model_kind(cfg.model)
     model: Node = plain_node(cfg.model)
     loss = plain_node(cfg.get("loss"))
+    distill = plain_node(cfg.get("distill"))
     return ModelSpec(
         kind=kind,
         name=str(model["name"]) if model.get("name") else None,
         node=model,
         loss=loss if isinstance(loss, dict) and "_target_" in loss else None,
+        distill=distill if isinstance(distill, dict) and "_target_" in distill else None,
     )
 
 

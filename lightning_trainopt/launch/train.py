@@ -416,4 +416,15 @@ def _collect_metrics(
         "wall_seconds": wall,
     }
     metrics.update(callback_summaries(_callbacks(trainer)))
+    metrics.update(_distill_metrics(module, cb))
     return metrics
+
+
+def _distill_metrics(module: pl.LightningModule, cb: Mapping[str, Any]) -> dict[str, Any]:
+    """experiment=distill: the loss's two terms and the teacher (``n_params`` is the student's, the one trained)."""
+    summary = getattr(module, "distill_summary", None)
+    if not callable(summary):
+        return {}
+    terms = {k.replace("/", "_"): float(cb[k]) for k in ("train/ce", "train/kl", "val/ce", "val/kl") if k in cb}
+    teacher = summary()
+    return {**terms, "distill": teacher, "n_params": count_params(module) - (teacher["teacher_params"] or 0)}

@@ -34,6 +34,7 @@ __all__ = [
     "count_flops",
     "fit_seq_flops",
     "meta_copy",
+    "teacher_forward_flops",
     "transformer_flops",
 ]
 
@@ -85,6 +86,31 @@ def transformer_flops(cfg: GPTConfig, seq_len: int, batch_size: int = 1) -> Tran
         attention_forward=cfg.n_layers * attention,
         block_recompute=block - down_proj,
     )
+
+
+def teacher_forward_flops(
+    samples: int, seq_len: int, config: GPTConfig | None = None, n_params: int | None = None
+) -> int:
+    """Forward FLOPs of a distillation teacher for a ``(samples, seq_len)`` batch: work done, counted in MFU.
+
+    The teacher runs forward only (no backward, no recompute), so this is added to the student's training FLOPs as
+    it is. Our GPT presets are counted analytically (:func:`transformer_flops`); any other model as ``2 x n_params``
+    per token (the dense matmuls; attention's ``T^2`` term left out).
+
+    Args:
+        samples: sequences in the batch.
+        seq_len: tokens per sequence.
+        config: the teacher's shape, when it is one of our GPT presets.
+        n_params: the teacher's parameter count otherwise.
+
+    Raises:
+        ValueError: neither ``config`` nor ``n_params`` given.
+    """
+    if config is not None:
+        return transformer_flops(config, seq_len, samples).forward
+    if n_params is None:
+        raise ValueError("teacher_forward_flops needs the teacher's config or its parameter count")
+    return 2 * n_params * samples * seq_len
 
 
 def _unwrapped_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -225,3 +225,11 @@ class TrainOptFSDPStrategy(DimsSampling, ModelParallelStrategy):
         """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part."""
         parent_save = super().save_checkpoint
         save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the DCP checkpoint into the module without the submodules it leaves out of its checkpoints (a
+        distillation teacher, read from its own source): DCP would ask the checkpoint for their tensors."""
+        excluded = getattr(self.lightning_module, "excluded_from_checkpoint", None)
+        with excluded() if callable(excluded) else contextlib.nullcontext():
+            return super().load_checkpoint(checkpoint_path, weights_only)

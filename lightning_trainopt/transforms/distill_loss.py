@@ -1,0 +1,381 @@
+"""Knowledge-distillation loss computed chunk by chunk over the tokens: neither model's full logits ever exist.
+
+``loss = (1 - alpha) * CE(student, targets) + alpha * T^2 * KL``, with ``KL = KL(p_teacher^T || p_student^T)``
+(``kind="forward"``, Hinton et al.) or ``KL(p_student^T || p_teacher^T)`` (``kind="reverse"``), ``p^T = softmax(z /
+T)``; both terms are means over the tokens whose target is not ``ignore_index``. The ``T^2`` keeps the soft term's
+gradient on the scale of the hard term's as ``T`` grows.
+
+Both models' logits are ``N x V`` (fp32 for the softmax: ``8·V`` bytes per token for the two of them, 1 MiB per token
+at a 128k vocabulary). :func:`chunked_distillation_loss` takes the two models' *hidden states* and head weights and
+projects ``chunk_tokens`` tokens at a time through both heads. The gradient of the loss with respect to the student's
+logits is known in closed form, so each chunk's contribution to the gradients of the student's hidden states and head
+weight is computed right away in forward (as Liger-Kernel's fused linear cross-entropy does) and backward only scales
+them: nothing but the two hidden-state tensors and those gradients is kept, and the teacher's head weight is not needed
+again in backward (under ZeRO-3/FSDP2 it is resharded as soon as the teacher's forward ends).
+
+:class:`DistillHeadLoss` is the student's head loss (``head_returns_loss``): it runs inside the student head's own call,
+so the strategy gathers the student's head weight exactly as for the plain ``lm_head(x)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, head_weight, run_in_head_call
+
+__all__ = [
+    "DistillHeadLoss",
+    "DistillTerms",
+    "TeacherOutputs",
+    "check_distill_args",
+    "chunked_distillation_loss",
+    "distillation_loss",
+]
+
+DistillKind = Literal["forward", "reverse"]
+_KINDS = ("forward", "reverse")
+
+
+def check_distill_args(alpha: Any, temperature: Any, kind: Any, chunk_tokens: Any = DEFAULT_CHUNK_TOKENS) -> None:
+    """Refuse a distillation setting that cannot be meant, naming its ``distill.*`` key.
+
+    Raises:
+        ConfigError: ``alpha`` outside [0, 1], ``temperature`` not positive, an unknown ``kind``, or ``chunk_tokens``
+            not a positive integer.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        raise ConfigError("distill.alpha", alpha, "use a weight in [0, 1] of the KL term (0: plain cross-entropy).")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not float(temperature) > 0.0:
+        raise ConfigError("distill.temperature", temperature, "use a positive softmax temperature, e.g. 2.0.")
+    if kind not in _KINDS:
+        raise ConfigError(
+            "distill.kind", kind, "use forward (KL(teacher || student)) or reverse (KL(student || teacher))."
+        )
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ConfigError("distill.chunk_tokens", chunk_tokens, "use a positive number of tokens per chunk, e.g. 1024.")
+
+
+@dataclass(frozen=True)
+class DistillTerms:
+    """The loss of one batch and its two terms (means over the counted tokens, detached).
+
+    Args:
+        loss: ``(1 - alpha) * ce + alpha * T^2 * kl`` (differentiable).
+        ce: the student's cross-entropy against the targets.
+        kl: the KL divergence at temperature ``T`` (without the ``T^2`` factor).
+    """
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kl: torch.Tensor
+
+
+def _kl_and_grad(
+    zs: torch.Tensor, zt: torch.Tensor, temperature: float, kind: str, want_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token KL at ``temperature`` of fp32 logits, and its gradient with respect to the student's logits."""
+    log_s = F.log_softmax(zs / temperature, dim=-1)
+    log_t = F.log_softmax(zt / temperature, dim=-1)
+    if kind == "forward":
+        p_t = log_t.exp()
+        kl = (p_t * (log_t - log_s)).sum(-1)
+        # d KL(p_t || p_s) / d z_s = (p_s - p_t) / T
+        grad = (log_s.exp() - p_t) / temperature if want_grad else None
+    else:
+        p_s = log_s.exp()
+        diff = log_s - log_t
+        kl = (p_s * diff).sum(-1)
+        # d KL(p_s || p_t) / d z_s = p_s * (log p_s - log p_t - KL) / T
+        grad = p_s * (diff - kl.unsqueeze(1)) / temperature if want_grad else None
+    return kl, grad
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        t_hidden: torch.Tensor,
+        t_weight: torch.Tensor,
+        t_bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        alpha: float,
+        temperature: float,
+        kind: str,
+        chunk: int,
+        ignore_index: int,
+        want_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The logits' dtype: autocast's under mixed precision (as F.linear would give), else the hidden states'; the
+        # softmaxes and sums run in fp32 (as chunked_cross_entropy does).
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        t_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t_hidden.dtype
+        valid = targets != ignore_index
+        count = valid.sum().clamp(min=1).float()
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
+        need_b = want_grad and bias is not None and ctx.needs_input_grad[2]
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        any_grad = need_h or need_w or need_b
+        with torch.autocast(device, enabled=False):
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            tw, tb = t_weight.to(t_dtype), None if t_bias is None else t_bias.to(t_dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                end = min(start + chunk, hidden.shape[0])
+                h = hidden[start:end].to(dtype)
+                zs = F.linear(h, w, b).float()
+                zt = F.linear(t_hidden[start:end].to(t_dtype), tw, tb).float()
+                ok = valid[start:end]
+                t = targets[start:end].clamp(min=0)
+                lse = torch.logsumexp(zs, dim=-1)
+                ce_sum += ((lse - zs.gather(1, t.unsqueeze(1)).squeeze(1)) * ok).sum()
+                kl, g_kl = _kl_and_grad(zs, zt, temperature, kind, any_grad)
+                kl_sum += (kl * ok).sum()
+                if not any_grad:
+                    continue
+                assert g_kl is not None
+                # d CE / d z_s = softmax(z_s) - onehot(t)
+                g_ce = torch.exp(zs - lse.unsqueeze(1))
+                g_ce.scatter_add_(1, t.unsqueeze(1), -torch.ones_like(g_ce[:, :1]))
+                g = ((1.0 - alpha) * g_ce + (alpha * temperature * temperature) * g_kl) * (ok.unsqueeze(1) / count)
+                g = g.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = (g @ w).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += (g.t() @ h).float()
+                if grad_bias is not None:
+                    grad_bias += g.float().sum(0)
+        ce, kl_mean = ce_sum / count, kl_sum / count
+        loss = (1.0 - alpha) * ce + alpha * temperature * temperature * kl_mean
+        ctx.save_for_backward(
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+        )
+        ctx.mark_non_differentiable(ce, kl_mean)
+        return loss, ce, kl_mean
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        if grad_hidden is None and grad_weight is None and grad_bias is None and any(ctx.needs_input_grad[:3]):
+            raise RuntimeError(
+                "chunked_distillation_loss was computed without gradients (want_grad=False); compute it with "
+                "want_grad=True (the default under torch.enable_grad) to backpropagate through it."
+            )
+        scale = grad_out.float()
+
+        def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else (g.float() * scale).to(g.dtype)
+
+        return (scaled(grad_hidden), scaled(grad_weight), scaled(grad_bias), *([None] * 10))
+
+
+def chunked_distillation_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    alpha: float = 0.5,
+    temperature: float = 1.0,
+    kind: DistillKind = "forward",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = -100,
+) -> DistillTerms:
+    """The distillation loss of the student's and the teacher's hidden states, ``chunk_tokens`` tokens at a time.
+
+    Equal (values and gradients) to :func:`distillation_loss` of ``F.linear(hidden, weight, bias)`` and
+    ``F.linear(teacher_hidden, teacher_weight, teacher_bias)``. The teacher's tensors get no gradient.
+
+    Args:
+        hidden: ``(..., d)`` the student's hidden states before its head.
+        weight: ``(V, d)`` the student's head weight.
+        teacher_hidden: ``(..., d_t)`` the teacher's hidden states, one per student position.
+        teacher_weight: ``(V, d_t)`` the teacher's head weight (the same vocabulary).
+        targets: ``(...)`` token ids; ``ignore_index`` positions count in neither term.
+        bias: the student head's bias, if any.
+        teacher_bias: the teacher head's bias, if any.
+        alpha: weight of the KL term.
+        temperature: softmax temperature of the KL term.
+        kind: ``forward`` KL(teacher || student) or ``reverse`` KL(student || teacher).
+        chunk_tokens: tokens per chunk.
+        ignore_index: the target id that does not count.
+
+    Raises:
+        ConfigError: a bad ``alpha``, ``temperature``, ``kind`` or ``chunk_tokens``.
+        ValueError: the two heads' vocabularies or the two models' token counts differ.
+    """
+    check_distill_args(alpha, temperature, kind, chunk_tokens)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    t_flat = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    if weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"student vocabulary {weight.shape[0]} != teacher vocabulary {teacher_weight.shape[0]}")
+    if flat.shape[0] != t_flat.shape[0]:
+        raise ValueError(f"student has {flat.shape[0]} positions, teacher {t_flat.shape[0]}")
+    want_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    loss, ce, kl = _ChunkedDistillation.apply(
+        flat,
+        weight,
+        bias,
+        t_flat.detach(),
+        teacher_weight.detach(),
+        None if teacher_bias is None else teacher_bias.detach(),
+        targets.reshape(-1),
+        float(alpha),
+        float(temperature),
+        kind,
+        chunk_tokens,
+        ignore_index,
+        want_grad,
+    )
+    return DistillTerms(loss, ce, kl)
+
+
+def distillation_loss(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    alpha: float = 0.5,
+    temperature: float = 1.0,
+    kind: DistillKind = "forward",
+    ignore_index: int = -100,
+) -> DistillTerms:
+    """The same loss from whole logits (every token's ``V`` logits of both models at once): the reference.
+
+    Args:
+        logits: ``(..., V)`` the student's logits.
+        teacher_logits: ``(..., V)`` the teacher's logits (no gradient flows into them).
+        targets: ``(...)`` token ids.
+        alpha: weight of the KL term.
+        temperature: softmax temperature of the KL term.
+        kind: ``forward`` or ``reverse``.
+        ignore_index: the target id that does not count.
+    """
+    check_distill_args(alpha, temperature, kind)
+    zs = logits.reshape(-1, logits.shape[-1]).float()
+    zt = teacher_logits.reshape(-1, teacher_logits.shape[-1]).detach().float()
+    y = targets.reshape(-1)
+    ok = (y != ignore_index).float()
+    count = ok.sum().clamp(min=1)
+    ce = F.cross_entropy(zs, y, ignore_index=ignore_index, reduction="sum") / count
+    log_s, log_t = F.log_softmax(zs / temperature, -1), F.log_softmax(zt / temperature, -1)
+    if kind == "forward":
+        kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)
+    else:
+        kl = F.kl_div(log_t, log_s, log_target=True, reduction="none").sum(-1)
+    kl = (kl * ok).sum() / count
+    loss = (1.0 - alpha) * ce + alpha * temperature * temperature * kl
+    return DistillTerms(loss, ce.detach(), kl.detach())
+
+
+@dataclass(frozen=True)
+class TeacherOutputs:
+    """What the teacher's forward left for the student's head loss: its hidden states and its (gathered) head.
+
+    Args:
+        hidden: ``(batch, seq, d_t)`` hidden states before the teacher's head.
+        weight: ``(V, d_t)`` the teacher's head weight, whole (gathered under ZeRO-3/FSDP2/TP).
+        bias: its bias, if any.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+class DistillHeadLoss:
+    """The student's head loss (``loss(head, hidden, targets)`` of ``conf/loss``) that distils from a teacher.
+
+    The teacher's outputs for the batch are handed in with :meth:`teacher_batch` around the student's forward; the
+    student's head then returns :func:`chunked_distillation_loss` (see ``head_returns_loss``). The last batch's two
+    terms are kept in :attr:`last` for logging.
+
+    Args:
+        alpha: weight of the KL term.
+        temperature: softmax temperature of the KL term.
+        kind: ``forward`` or ``reverse`` KL.
+        chunk_tokens: tokens per chunk.
+        ignore_index: the target id that does not count.
+
+    Example::
+
+        loss = DistillHeadLoss(alpha=0.5, temperature=2.0)
+        with loss.teacher_batch(TeacherOutputs(t_hidden, t_weight)), head_returns_loss(lm_head, loss, y):
+            value = student(x)
+    """
+
+    name = "distill"
+
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        temperature: float = 1.0,
+        kind: DistillKind = "forward",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        ignore_index: int = -100,
+    ) -> None:
+        check_distill_args(alpha, temperature, kind, chunk_tokens)
+        self.alpha, self.temperature, self.kind = float(alpha), float(temperature), kind
+        self.chunk_tokens, self.ignore_index = chunk_tokens, ignore_index
+        self._teacher: TeacherOutputs | None = None
+        self.last: DistillTerms | None = None
+
+    @contextmanager
+    def teacher_batch(self, outputs: TeacherOutputs) -> Iterator[None]:
+        """While inside, the head loss distils from ``outputs`` (the teacher's forward of the same batch)."""
+        self._teacher = outputs
+        try:
+            yield
+        finally:
+            self._teacher = None
+
+    def compute(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss from the head's parameters as they are (call it inside the head's call, where they are gathered).
+
+        Raises:
+            RuntimeError: called outside :meth:`teacher_batch`.
+        """
+        if self._teacher is None:
+            raise RuntimeError("DistillHeadLoss needs the teacher's outputs: call it inside teacher_batch(...).")
+        t = self._teacher
+        t_hidden = t.hidden[:, : hidden.shape[1]] if t.hidden.dim() == 3 and hidden.dim() == 3 else t.hidden
+        terms = chunked_distillation_loss(
+            hidden,
+            head_weight(head, self.name),
+            t_hidden,
+            t.weight,
+            targets,
+            bias=getattr(head, "bias", None),
+            teacher_bias=t.bias,
+            alpha=self.alpha,
+            temperature=self.temperature,
+            kind=self.kind,  # type: ignore[arg-type]
+            chunk_tokens=self.chunk_tokens,
+            ignore_index=self.ignore_index,
+        )
+        self.last = terms
+        return terms.loss
+
+    def __call__(self, head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss through ``head``'s own call (the strategy gathers its weight), inside :meth:`teacher_batch`."""
+        head_weight(head, self.name)
+        return run_in_head_call(head, lambda h, t: self.compute(head, h, t), hidden, targets)  # type: ignore[no-any-return]

@@ -1,0 +1,138 @@
+"""experiment=distill on one process: the teacher from our checkpoint and from a HF directory, frozen and not saved,
+the module's loss equal to the direct computation from both models' logits, vocabularies checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_trainopt.checkpoint.teacher import teacher_source
+from lightning_trainopt.config.distill import check_teacher_vocab
+from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.models import GPT, GPTConfig, HFModelConfig, LitGPT
+from lightning_trainopt.models.distill import DistillCausalLM, DistillGPT, DistillSpec
+from lightning_trainopt.transforms.distill_loss import distillation_loss
+from tests.helpers.hf_files import write_pretrained
+
+STUDENT = GPTConfig(vocab_size=256, n_layers=1, d_model=32, n_heads=2, ffn_hidden=64, max_seq_len=64)
+TEACHER = GPTConfig(vocab_size=256, n_layers=2, d_model=48, n_heads=2, ffn_hidden=96, max_seq_len=64)
+
+
+def _loader(n: int = 8, seq: int = 16, vocab: int = 256) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
+
+
+def _trainer(tmp: Path, steps: int, **kw) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp, **{"limit_val_batches": 1, **kw},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def teacher_ckpt(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("teacher")
+    torch.manual_seed(0)
+    module = LitGPT(TEACHER)
+    trainer = _trainer(tmp, 1, enable_checkpointing=False)
+    trainer.fit(module, _loader())
+    trainer.save_checkpoint(tmp / "teacher.ckpt")
+    return tmp / "teacher.ckpt"
+
+
+def test_distilling_from_our_checkpoint(teacher_ckpt: Path, tmp_path: Path) -> None:
+    source = teacher_source(str(teacher_ckpt))
+    assert source.config == TEACHER
+    assert source.vocab_size == 256
+    spec = DistillSpec(str(teacher_ckpt), alpha=0.6, temperature=2.0, kind="reverse", chunk_tokens=7)
+    torch.manual_seed(0)
+    module = DistillGPT(STUDENT, source, spec)
+    trainer = _trainer(tmp_path, 3, enable_checkpointing=False, val_check_interval=3, check_val_every_n_epoch=None)
+    trainer.fit(module, _loader(), _loader(4))
+    teacher = module.teacher
+    assert isinstance(teacher, GPT)
+    assert not teacher.training
+    saved = torch.load(teacher_ckpt, weights_only=False)["state_dict"]
+    # The teacher's weights are the checkpoint's, bit for bit, after training; it has no grad and no optimizer state.
+    for name, p in teacher.state_dict().items():
+        assert torch.equal(p, saved["model." + name]), name
+    assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+    opt = trainer.optimizers[0]
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert in_opt == {id(p) for p in module.model.parameters()}
+    assert not in_opt & {id(p) for p in teacher.parameters()}
+    assert all(id(p) in in_opt for p in opt.state)
+    cb = trainer.callback_metrics
+    for key in ("train/ce", "train/kl", "val/ce", "val/kl", "val_loss"):
+        assert key in cb, key
+    assert float(cb["val_loss"]) == pytest.approx(float(cb["val/ce"]))
+    assert float(cb["train_loss"]) == pytest.approx(0.4 * float(cb["train/ce"]) + 0.6 * 4 * float(cb["train/kl"]))
+    # The module's loss is the direct formula on both models' whole logits.
+    x, y = next(iter(_loader()))
+    with torch.no_grad():
+        loss, _ = module.batch_loss((x, y))
+        ref = distillation_loss(module.model(x), teacher(x), y, alpha=0.6, temperature=2.0, kind="reverse")
+    torch.testing.assert_close(loss, ref.loss)
+    # The teacher's forward counts as work in MFU: its analytic forward FLOPs.
+    assert module.teacher_forward_flops(4, 16) > 0
+
+
+def test_checkpoint_leaves_the_teacher_out_and_resume_checks_it(teacher_ckpt: Path, tmp_path: Path) -> None:
+    source = teacher_source(str(teacher_ckpt))
+    spec = DistillSpec(str(teacher_ckpt))
+    module = DistillGPT(STUDENT, source, spec)
+    trainer = _trainer(tmp_path, 2, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(module, _loader())
+    path = tmp_path / "student.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=False)
+    assert not [k for k in ckpt["state_dict"] if k.startswith("teacher.")]
+    assert ckpt["distill_teacher"] == {"path": str(teacher_ckpt), "fingerprint": source.fingerprint}
+    # Resuming with the same teacher restores the student (and keeps the teacher's own weights).
+    resumed = DistillGPT(STUDENT, source, spec)
+    _trainer(tmp_path, 3, enable_checkpointing=False, limit_val_batches=0).fit(resumed, _loader(), ckpt_path=path)
+    # Another teacher (different files) is refused on resume, naming the key.
+    other = tmp_path / "other.ckpt"
+    torch.save({**torch.load(teacher_ckpt, weights_only=False), "extra": 1}, other)
+    wrong = DistillGPT(STUDENT, teacher_source(str(other)), DistillSpec(str(other)))
+    with pytest.raises(ConfigError, match="distill.teacher"):
+        _trainer(tmp_path, 3, enable_checkpointing=False, limit_val_batches=0).fit(wrong, _loader(), ckpt_path=path)
+
+
+def test_teacher_from_a_hugging_face_directory(tmp_path: Path) -> None:
+    hf = write_pretrained("llama", tmp_path / "teacher", vocab_size=256)
+    source = teacher_source(str(tmp_path / "teacher"))
+    assert isinstance(source.config, HFModelConfig)
+    assert source.vocab_size == 256
+    module = DistillGPT(STUDENT, source, DistillSpec(str(tmp_path / "teacher")))
+    module.configure_model()
+    module.load_teacher()
+    x, y = next(iter(_loader()))
+    with torch.no_grad():
+        torch.testing.assert_close(module.teacher(input_ids=x).logits, hf(input_ids=x).logits)
+        loss, _ = module.batch_loss((x, y))
+        ref = distillation_loss(module.model(x), hf(input_ids=x).logits, y, alpha=0.5, temperature=2.0)
+    torch.testing.assert_close(loss, ref.loss)
+    # An HF student distils from it too (the same vocabulary), with the shifted labels of dict batches.
+    student_dir = tmp_path / "student"
+    write_pretrained("gpt2", student_dir, vocab_size=256, seed=3)
+    hf_student = DistillCausalLM(HFModelConfig(pretrained=str(student_dir)), source, DistillSpec(str(source.path)))
+    hf_student.configure_model()
+    with torch.no_grad():
+        loss, tokens = hf_student.batch_loss({"input_ids": x})
+        ref = distillation_loss(hf_student.model(input_ids=x).logits[:, :-1], hf(input_ids=x).logits[:, :-1], x[:, 1:])
+    torch.testing.assert_close(loss, ref.loss, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
+    assert int(tokens) == x[:, 1:].numel()
+
+
+def test_vocabulary_mismatch_is_refused(teacher_ckpt: Path, tmp_path: Path) -> None:
+    source = teacher_source(str(teacher_ckpt))
+    with pytest.raises(ConfigError, match=r"distill\.teacher.*256 token ids, the student's 512.*model.vocab_size=256"):
+        check_teacher_vocab(GPTConfig(vocab_size=512), 512, source)
+    with pytest.raises(ConfigError, match="no such file"):
+        teacher_source(str(tmp_path / "missing.ckpt"))
