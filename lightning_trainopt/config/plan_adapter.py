@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.flops import teacher_forward_flops
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner import ModelProfile, StrategyLayout
 from lightning_trainopt.planner.adapter_targets import module_adapter_plan
@@ -111,7 +112,8 @@ def adapter_refused(kind: str | None, layout: StrategyLayout, tensor_parallel: i
 
 def _hf_teacher(path: Path, seq_len: int) -> TeacherPlan:
     """A local Hugging Face model directory's teacher: its parameters read from the model built on the meta device,
-    its forward FLOPs as 2 per weight per token (the embedding excepted) + the full ``T x T`` attention products."""
+    its forward FLOPs as SpeedMonitor counts them (``metrics.flops.teacher_forward_flops``: 2 per parameter per
+    token)."""
     import torch
     import transformers
 
@@ -119,11 +121,8 @@ def _hf_teacher(path: Path, seq_len: int) -> TeacherPlan:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     numels = tuple(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings().weight.numel()
-    d = int(config.hidden_size)
-    layers = int(config.num_hidden_layers)
-    per_token = 2 * (sum(numels) - embed) + 4 * layers * seq_len * d
-    return TeacherPlan(str(getattr(config, "model_type", path.name)), numels, float(per_token), d)
+    per_token = teacher_forward_flops(1, seq_len, n_params=sum(numels)) / seq_len
+    return TeacherPlan(str(getattr(config, "model_type", path.name)), numels, per_token, int(config.hidden_size))
 
 
 def teacher_plan(cfg: DictConfig, conf_dir: Path, seq_len: int) -> TeacherPlan | None:

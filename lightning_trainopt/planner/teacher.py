@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_trainopt.metrics.flops import transformer_flops
+from lightning_trainopt.metrics.flops import teacher_forward_flops
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.model_profile import gpt_param_groups
 from lightning_trainopt.planner.strategy_layout import StrategyLayout
@@ -50,13 +50,9 @@ class TeacherPlan:
 
 def gpt_teacher_plan(cfg: GPTConfig, seq_len: int) -> TeacherPlan:
     """The :class:`TeacherPlan` of our GPT preset ``cfg`` at ``seq_len`` (FLOPs: ``metrics.flops`` forward)."""
-    flops = transformer_flops(cfg, seq_len, 1)
-    return TeacherPlan(
-        cfg.name,
-        tuple(n for g in gpt_param_groups(cfg) for n in g),
-        flops.forward / seq_len,
-        cfg.d_model,
-    )
+    # As SpeedMonitor counts the teacher's forward (metrics.flops.teacher_forward_flops), so MFU agrees.
+    flops = teacher_forward_flops(1, seq_len, config=cfg)
+    return TeacherPlan(cfg.name, tuple(n for g in gpt_param_groups(cfg) for n in g), flops / seq_len, cfg.d_model)
 
 
 def teacher_terms(

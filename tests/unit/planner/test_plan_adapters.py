@@ -171,5 +171,11 @@ def test_the_distill_nodes_teacher_is_planned(tmp_path):
     hf = teacher_plan(OmegaConf.create({"distill": {"teacher": str(tmp_path)}}), CONF_DIR, 32)
     assert hf is not None
     assert hf.n_params == sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
-    assert hf.forward_flops_per_token > 2 * (hf.n_params - 128 * 32)
+    assert hf.forward_flops_per_token == 2 * hf.n_params  # as SpeedMonitor counts a non-GPT teacher
     assert teacher_plan(OmegaConf.create({}), CONF_DIR, 32) is None
+    # plan.py experiment=distill distill.teacher=DIR: the teacher's rows and FLOPs are in the plan.
+    result = plan(
+        compose_config(["experiment=distill", f"distill.teacher={tmp_path}", "hardware=cpu"], tmp_path, "plan")
+    )
+    assert result.estimate.inputs.teacher == hf or result.estimate.inputs.teacher.n_params == hf.n_params
+    assert result.to_dict()["teacher"]["n_params"] == hf.n_params
