@@ -329,8 +329,9 @@ def estimate_plan(
     if adapter is not None:
         acts = qlora_activations(acts, adapter, fraction)
         extra = lora_activation_bytes(adapter, tokens, inputs.compute_bytes)
-        # Saved inside the blocks: checkpointed blocks keep only their input, so their adapters save nothing.
-        acts = acts + MemoryEstimate.of(adapter_activation_terms(adapter, extra, fraction, m.n_blocks, tp))
+        # Saved inside the blocks: checkpointed blocks keep only their input, so their adapters save nothing. Whole
+        # model's bytes: tp_activations below splits them over a TP group with the rest.
+        acts = acts + MemoryEstimate.of(adapter_activation_terms(adapter, extra, fraction, m.n_blocks))
         if adapter.quantized:
             acts = acts + MemoryEstimate.of([dequantized_weight_term(adapter, inputs.compute_bytes, tp)])
         model_flops += adapter.flops_delta(tokens)

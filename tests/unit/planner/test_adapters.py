@@ -218,3 +218,15 @@ def test_the_search_skips_an_adapter_the_compat_table_refuses():
     assert not adapter_refused("qlora", fsdp, 1, 2)
     assert adapter_refused("qlora", fsdp, 2, 1)  # TP alone cannot split a packed 4-bit weight
     assert not adapter_refused(None, zero3, 1, 2)
+
+
+def test_under_tp_the_adapters_saved_tensors_are_split_once():
+    plan = gpt_adapter_plan(TINY, "lora", 8, dropout=0.1)
+    lay = StrategyLayout(name="fsdp_tp", kind="fsdp")
+
+    def saved(tp: int) -> int:
+        inputs = PlanInputs(TINY, layout=lay, devices=4, seq_len=64, tensor_parallel=tp, adapter=plan)
+        est = estimate_plan(inputs, None, 1e12, None)
+        return sum(t.nbytes for t in est.memory.terms if t.label.startswith("adapters: saved lora_A"))
+
+    assert saved(2) == pytest.approx(saved(1) / 2, rel=0.01)
