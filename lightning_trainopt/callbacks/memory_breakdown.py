@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_trainopt.callbacks._common import json_safe, log_metrics
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.adapter_accounting import adapter_breakdown, has_frozen_params
 from lightning_trainopt.metrics.memory_accounting import memory_breakdown
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsCounter
 from lightning_trainopt.parallel.report import strategy_offload
@@ -61,6 +62,11 @@ class MemoryBreakdown(Callback):
     it like any saved tensor). Copies of frozen weights (a LoRA/PEFT model's base under ``bf16-mixed``) are in it:
     the counter is given the module's parameters and matches a cast without autograd history by shape and value.
     A step whose ``training_step`` returns ``None`` (no backward) is not measured; the next one is.
+
+    A model with frozen parameters (a LoRA/QLoRA base, a distillation teacher) gets the rows of
+    :func:`~lightning_trainopt.metrics.adapter_accounting.adapter_breakdown` too: ``frozen_base``, ``frozen_base_4bit``
+    and ``frozen_base_4bit_scales`` (bitsandbytes' packed codes and quantization state), ``adapter_params``,
+    ``adapter_grads`` (read before the optimizer step) and ``adapter_optimizer_states``: the planner's adapter rows.
 
     Each requested step is measured at the first optimizer step at or after it: under manual optimization with two
     optimizers ``global_step`` moves by 2 a batch (0, 2, 4, ...), so ``at_steps=[1]`` measures step 2. Requested steps
@@ -152,6 +158,8 @@ class MemoryBreakdown(Callback):
         if self._counter is not None and not self._states:
             fn = self.model_state_fn or accounted_model_states
             self._states = dict(fn(trainer, pl_module))
+            if has_frozen_params(pl_module):
+                self._states["adapter_grads"] = adapter_breakdown(pl_module)["adapter_grads"]
 
     @override
     def on_train_batch_end(
@@ -171,6 +179,9 @@ class MemoryBreakdown(Callback):
         # Optimizer states exist only after the step: read them now, grads from before the step.
         states = dict(fn(trainer, pl_module))
         states["grads"] = self._states.get("grads", states.get("grads", 0))
+        if has_frozen_params(pl_module):
+            states.update(adapter_breakdown(pl_module, trainer.optimizers))
+            states["adapter_grads"] = self._states.get("adapter_grads", states["adapter_grads"])
         row: dict[str, Any] = {k: int(v) for k, v in states.items()}
         row["activations"] = int(self._counter.peak)
         row["activations_weight_copies"] = int(self._counter.peak_weight_copy_bytes)

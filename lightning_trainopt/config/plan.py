@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_trainopt.config.plan_adapter import adapter_plan, adapter_plans_to_search, adapter_refused, teacher_plan
 from lightning_trainopt.config.plan_command import override_keys, plan_choices, train_command
 from lightning_trainopt.config.plan_inputs import (
     NO_STRATEGY,
@@ -156,6 +157,9 @@ def _allowed(cfg: DictConfig, on_cuda: bool) -> Callable[[dict[str, str], PlanIn
     base_precision = plan_choices(cfg).get("precision")
 
     def allowed(choices: dict[str, str], inputs: PlanInputs) -> bool:
+        kind = inputs.adapter.kind if inputs.adapter else None
+        if adapter_refused(kind, inputs.layout, inputs.tensor_parallel, inputs.data_parallel_size):
+            return False
         name = choices.get("strategy")
         strategy = load_preset(conf, "strategy", name) if name and name != NO_STRATEGY else None
         # Without a preset name (the Python API with partial plan.choices): the composed config's own optimizer.
@@ -277,6 +281,7 @@ def plan(cfg: DictConfig) -> PlanResult:
     choices = plan_choices(cfg)
     adam_path = _adam_path(cfg, on_cuda)
     base = build_plan_inputs(cfg, choices.get("activations", "none"))
+    base = replace(base, adapter=adapter_plan(cfg, base.model), teacher=teacher_plan(cfg, _conf_dir(cfg), base.seq_len))
     inputs = replace(base, adam_path=adam_path(base))
     measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs, on_cuda)
     bandwidths = Bandwidths(
@@ -333,6 +338,7 @@ def plan(cfg: DictConfig) -> PlanResult:
     space_node = plan_cfg.get("search_space")
     known = {choices["precision"]: inputs.precision} if "precision" in choices else {}
     space = search_space_from_cfg(space_node, _conf_dir(cfg), inputs.world_size, cfg, on_cuda, known)
+    space = replace(space, adapters=adapter_plans_to_search(cfg, inputs.model))
     every, n_enum = search_plans(inputs, space, run, adam_path, allowed)
     ranked = best_per_configuration(every)
     max_tp = max((t for t in space.tensor_parallel if t <= inputs.devices), default=1)

@@ -113,6 +113,8 @@ def train_command(
             parts.append(f"{group}={choices[group]}")
     if "loss" in swapped:  # only a search that chose the loss writes it (the config's own is in the overrides)
         parts.append(f"loss={swapped['loss']}")
+    if "adapter" in swapped:  # likewise the adapter (plan.adapters=true)
+        parts.append(f"adapter={swapped['adapter']}")
     strategy_given = "strategy" in present and "strategy" not in swapped
     if choices.get("strategy") and inputs.layout.has_strategy and not strategy_given:
         parts.append(f"+strategy={choices['strategy']}")

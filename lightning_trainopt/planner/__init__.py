@@ -1,6 +1,7 @@
 """Pure arithmetic of the planner: per-device memory by category, speed and dollars, before launch."""
 
 from lightning_trainopt.planner.activations import ActivationPolicy, estimate_transformer_activations
+from lightning_trainopt.planner.adapters import AdapterPlan, gpt_adapter_plan
 from lightning_trainopt.planner.estimate import PlanEstimate, PlanInputs, estimate_plan, gpt_param_groups
 from lightning_trainopt.planner.measure import measure_activation_bytes
 from lightning_trainopt.planner.model_profile import (
@@ -32,6 +33,7 @@ from lightning_trainopt.planner.search import (
     search_plans,
 )
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.planner.teacher import TeacherPlan, gpt_teacher_plan
 from lightning_trainopt.planner.terms import CATEGORIES, LOCATIONS, MemoryEstimate, Term
 from lightning_trainopt.planner.zero3_gather import gpt_module_trace, zero3_gathered_peak_numel
 
@@ -41,6 +43,7 @@ __all__ = [
     "LOCATIONS",
     "OPTIMIZER_STATES",
     "ActivationPolicy",
+    "AdapterPlan",
     "Candidate",
     "LossPlan",
     "MemoryEstimate",
@@ -53,16 +56,19 @@ __all__ = [
     "SearchSpace",
     "SpeedEstimate",
     "StrategyLayout",
+    "TeacherPlan",
     "Term",
     "decay_groups",
     "estimate_model_states",
     "estimate_plan",
     "estimate_speed",
     "estimate_transformer_activations",
+    "gpt_adapter_plan",
     "forward_trace",
     "gpt_module_trace",
     "gpt_param_groups",
     "gpt_profile",
+    "gpt_teacher_plan",
     "least_parallelism",
     "measure_activation_bytes",
     "module_profile",

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field, replace
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.model_shape import GPTConfig
 from lightning_trainopt.planner.activations import ActivationPolicy
+from lightning_trainopt.planner.adapters import (
+    AdapterPlan,
+    adapter_activation_terms,
+    adapter_model_states,
+    dequantized_weight_term,
+    lora_activation_bytes,
+    qlora_activations,
+)
 from lightning_trainopt.planner.dp_comm import dp_comm
 from lightning_trainopt.planner.model_profile import ModelProfile, gpt_param_groups, gpt_profile
 from lightning_trainopt.planner.model_states import StrategyLayout, estimate_model_states
@@ -14,6 +22,7 @@ from lightning_trainopt.planner.offload_time import Bandwidths, StepOverhead, es
 from lightning_trainopt.planner.optimizer_state import OPTIMIZER_STATES, OptimizerStateModel
 from lightning_trainopt.planner.precision_plan import LossPlan, PrecisionPlan, fp8_transient_term, te_saved_delta
 from lightning_trainopt.planner.speed import SpeedEstimate, estimate_speed
+from lightning_trainopt.planner.teacher import TeacherPlan, teacher_terms
 from lightning_trainopt.planner.tensor_parallel import tp_activations, tp_comm, tp_profile
 from lightning_trainopt.planner.terms import MemoryEstimate
 from lightning_trainopt.planner.tp_shape import TP_HF_ARCHITECTURES, TPShape
@@ -50,6 +59,10 @@ class PlanInputs:
             (``strategy.sequence_parallel``; the TP plans' default).
         replicate: HSDP replicas (``strategy.replicate``): FSDP2 shards only within each of ``replicate`` groups
             of ``data_parallel_size / replicate`` ranks and all-reduces between them.
+        adapter: LoRA/QLoRA (``adapter=lora|qlora``): the base frozen (in NF4 under QLoRA), only the adapters
+            trained; ``None``: every parameter trained.
+        teacher: a distillation teacher (``experiment=distill``): its frozen weights, last hidden states and forward
+            FLOPs are added; ``None``: none.
     """
 
     model: GPTConfig | ModelProfile
@@ -69,6 +82,8 @@ class PlanInputs:
     loss: LossPlan | None = None
     sequence_parallel: bool = True
     replicate: int = 1
+    adapter: AdapterPlan | None = None
+    teacher: TeacherPlan | None = None
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -290,29 +305,56 @@ def estimate_plan(
     tp = inputs.tensor_parallel
     # One rank's share of the model under TP (matrices / tp), then sharded over one replica group's ranks.
     m = tp_profile(inputs.profile, tp)
-    states = estimate_model_states(
-        m.param_groups,
-        inputs.trainer_precision,
-        inputs.layout,
-        inputs.optimizer,
-        inputs.shard_size,
-        accumulate=inputs.accumulate,
-        adam_path=inputs.adam_path,
-        module_trace=m.module_trace,
-        fsdp_units=m.fsdp_units,
-    )
+    adapter, teacher = inputs.adapter, inputs.teacher
+    if adapter is not None:
+        states = adapter_model_states(
+            adapter,
+            inputs.trainer_precision,
+            inputs.layout,
+            inputs.optimizer,
+            inputs.shard_size,
+            tensor_parallel=tp,
+            accumulate=inputs.accumulate,
+            adam_path=inputs.adam_path,
+            fsdp_units=m.fsdp_units,
+        )
+    else:
+        states = estimate_model_states(
+            m.param_groups,
+            inputs.trainer_precision,
+            inputs.layout,
+            inputs.optimizer,
+            inputs.shard_size,
+            accumulate=inputs.accumulate,
+            adam_path=inputs.adam_path,
+            module_trace=m.module_trace,
+            fsdp_units=m.fsdp_units,
+        )
     model_flops, recompute_flops = m.flops(inputs.micro_batch, inputs.seq_len)
     every = inputs.activations.checkpoint_every
     n_ckpt = 0 if every == 0 or not m.n_blocks else -(-m.n_blocks // every)
     fraction = n_ckpt / m.n_blocks if m.n_blocks else 0.0
     acts = _activations(inputs, m, fraction)
+    tokens = inputs.micro_batch * inputs.seq_len
+    if adapter is not None:
+        acts = qlora_activations(acts, adapter, fraction)
+        extra = lora_activation_bytes(adapter, tokens, inputs.compute_bytes)
+        # Saved inside the blocks: checkpointed blocks keep only their input, so their adapters save nothing. Whole
+        # model's bytes: tp_activations below splits them over a TP group with the rest.
+        acts = acts + MemoryEstimate.of(adapter_activation_terms(adapter, extra, fraction, m.n_blocks))
+        if adapter.quantized:
+            acts = acts + MemoryEstimate.of([dequantized_weight_term(adapter, inputs.compute_bytes, tp)])
+        model_flops += adapter.flops_delta(tokens)
+    if teacher is not None:
+        states = states + teacher_terms(teacher, inputs.compute_bytes, inputs.layout, inputs.shard_size, tokens)
+        # The teacher's forward is work done (MFU counts it) and time spent.
+        model_flops += int(teacher.forward_flops_per_token * tokens)
     if tp > 1:
         assert inputs.tp_shape is not None  # PlanInputs refuses TP for models without a plan
         acts = tp_activations(
             acts, inputs.tp_shape, inputs.micro_batch, inputs.seq_len, tp, inputs.sequence_parallel, inputs.attention
         )
     hw_flops = model_flops + int(round(fraction * recompute_flops))
-    tokens = inputs.micro_batch * inputs.seq_len
     per_token = hw_flops / tokens
     p = inputs.precision
     # The converted layers' share of the model FLOPs; the recomputed forward is taken at the same share.

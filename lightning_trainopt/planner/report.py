@@ -15,6 +15,7 @@ from rich.table import Table
 
 from lightning_trainopt.metrics.hardware import compute_dtype_key
 from lightning_trainopt.planner.result import model_flops_per_token
+from lightning_trainopt.planner.teacher import adapter_teacher_lines
 
 if TYPE_CHECKING:
     from lightning_trainopt.metrics.hardware import HardwareSpec
@@ -94,6 +95,8 @@ def print_plan(result: PlanResult, top_k: int | None = None, console: Console | 
     changes = _precision_line(e)
     if changes:
         console.print(changes)
+    for line in adapter_teacher_lines(i):
+        console.print(escape(line))
     dims = parallel_line(e)
     if dims:
         console.print(escape(dims))

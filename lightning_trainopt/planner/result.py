@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_trainopt.metrics.hardware import HardwareSpec
 from lightning_trainopt.planner import LOCATIONS, Candidate, PlanEstimate, PlanInputs
+from lightning_trainopt.planner.teacher import adapter_teacher_dict
 
 __all__ = ["DEFAULT_HFU", "PlanResult", "estimate_dict", "model_flops_per_token"]
 
@@ -88,6 +89,7 @@ class PlanResult:
                 "parallelism": self.parallelism or None,
             }
         )
+        out.update(adapter_teacher_dict(self.estimate.inputs))
         if self.candidates or self.n_enumerated:
             out["search"] = {
                 "n_enumerated": self.n_enumerated,

@@ -15,6 +15,7 @@ from itertools import product
 
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.planner.activations import ActivationPolicy
+from lightning_trainopt.planner.adapters import AdapterPlan
 from lightning_trainopt.planner.estimate import PlanEstimate, PlanInputs
 from lightning_trainopt.planner.model_states import StrategyLayout
 from lightning_trainopt.planner.optimizer_state import OptimizerStateModel
@@ -59,6 +60,9 @@ class SearchSpace:
             vocabulary and sequence length are skipped (TP belongs inside a node).
         replicate: HSDP replica counts to try with FSDP2 (``plan.search_space.replicate``); those not dividing the
             data-parallel ranks are skipped.
+        adapters: preset name -> adapter (``None``: train every weight), when the user lets the search train through
+            an adapter (``plan.adapters=true``: an adapter changes what is trained); empty: the base plan's adapter,
+            and no ``adapter`` choice.
     """
 
     precisions: Mapping[str, str]
@@ -70,6 +74,7 @@ class SearchSpace:
     losses: Mapping[str, LossPlan] = field(default_factory=dict)
     tensor_parallel: tuple[int, ...] = (1,)
     replicate: tuple[int, ...] = (1,)
+    adapters: Mapping[str, AdapterPlan | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -242,12 +247,16 @@ def search_plans(
     losses: dict[str | None, LossPlan | None] = {None: base.loss}
     if space.losses:
         losses = dict(space.losses.items())
-    for (pn, prec), (sn, lay), (an, act), (on, opt), (ln, loss), mb, tp, r in product(
+    adapters: dict[str | None, AdapterPlan | None] = {None: base.adapter}
+    if space.adapters:
+        adapters = dict(space.adapters.items())
+    for (pn, prec), (sn, lay), (an, act), (on, opt), (ln, loss), (dn, adapter), mb, tp, r in product(
         space.precisions.items(),
         space.strategies.items(),
         space.activations.items(),
         space.optimizers.items(),
         losses.items(),
+        adapters.items(),
         space.micro_batches,
         space.tensor_parallel,
         space.replicate,
@@ -262,6 +271,8 @@ def search_plans(
         choices = {"precision": pn, "strategy": sn, "activations": an, "optimizer": on}
         if ln is not None:
             choices["loss"] = ln
+        if dn is not None:
+            choices["adapter"] = dn
         inputs = replace(
             base,
             trainer_precision=prec,
@@ -274,6 +285,7 @@ def search_plans(
             loss=loss,
             tensor_parallel=tp,
             replicate=r,
+            adapter=adapter,
         )
         if adam_path_for is not None:
             inputs = replace(inputs, adam_path=adam_path_for(inputs))

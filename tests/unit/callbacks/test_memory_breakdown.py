@@ -217,3 +217,68 @@ def test_the_default_steps_measure_every_run(max_steps, measured):
     assert list(cb.results) == [measured]
     # Optimizer states are read after the measured step, so step 0 of a 1-step run has them too.
     assert cb.results[measured]["optimizer_states"] > 0
+
+
+class _PeftGPT(pl.LightningModule):
+    """Our tiny GPT with the adapter core's LoRA (peft), its targeted layers in NF4 for ``qlora``: what ``adapter=``
+    trains."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        pytest.importorskip("peft")
+        from lightning_trainopt.models.gpt import GPT
+        from lightning_trainopt.transforms.adapters import AdapterSpec, apply_adapter
+
+        self.model = GPT(TINY)
+        self.base_for_plan = [GPT(TINY)]  # a plain copy (outside the module) the planner reads
+        targets = ("q_proj", "v_proj", "down_proj")
+        apply_adapter(self.model, AdapterSpec(kind=kind, r=4, target_modules=targets, compute_dtype="float32"))
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch[0]).float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_adapter_rows_match_the_planner_within_5_percent(kind):
+    pytest.importorskip("bitsandbytes")
+    from lightning_trainopt.metrics.adapter_accounting import ADAPTER_ROWS
+    from lightning_trainopt.planner import OPTIMIZER_STATES, StrategyLayout
+    from lightning_trainopt.planner.adapter_targets import module_adapter_plan
+    from lightning_trainopt.planner.adapters import adapter_model_states
+
+    cb = MemoryBreakdown(at_steps=[1])
+    module = _PeftGPT(kind)
+    data = DataLoader(TensorDataset(torch.randint(0, 64, (8, 16))), batch_size=4)
+    tiny_trainer([cb], max_steps=2).fit(module, data)
+    row = cb.results[1]
+    plan = module_adapter_plan(module.base_for_plan[0], kind, 4, ["q_proj", "v_proj", "down_proj"])
+    planned = adapter_model_states(plan, "32-true", StrategyLayout(), OPTIMIZER_STATES["adamw"], 1)
+
+    def rows(category: str, prefix: str) -> int:
+        return sum(
+            t.nbytes
+            for t in planned.terms
+            if t.category == category and t.label.startswith(prefix) and t.phase != "build"
+        )
+
+    want = {
+        "frozen_base": rows("params", "frozen base: 32-bit"),
+        "frozen_base_4bit": rows("params", "frozen base: NF4 4-bit"),
+        "frozen_base_4bit_scales": rows("params", "frozen base: NF4 scales"),
+        "adapter_params": rows("params", "adapters:"),
+        "adapter_grads": rows("grads", "adapters:"),
+        "adapter_optimizer_states": rows("optimizer_states", "adapters:"),
+    }
+    assert set(ADAPTER_ROWS) <= set(row)
+    for key, planned_bytes in want.items():
+        if kind == "lora" and "4bit" in key:
+            assert row[key] == planned_bytes == 0
+        else:
+            assert row[key] > 0, key
+            assert abs(planned_bytes - row[key]) <= 0.05 * row[key], (key, planned_bytes, row[key])
+    # The adapters' gradients were read before the step, and are the only gradients.
+    assert row["adapter_grads"] == row["grads"]
+    assert cb.summary()["memory_breakdown"]["adapter_params"] == row["adapter_params"]
