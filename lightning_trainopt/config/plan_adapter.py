@@ -103,10 +103,9 @@ def adapter_refused(kind: str | None, layout: StrategyLayout, tensor_parallel: i
     strategy: the search then skips the pair, as ``train.py``'s pre-flight refuses it."""
     if kind in (None, "none"):
         return False
-    from lightning_trainopt.parallel.compat_table import adapter_cell, family_of
+    from lightning_trainopt.parallel.compat_table import adapter_cell, family_of_layout
 
-    spec_kind = {"single": "none"}.get(layout.kind, layout.kind)
-    family = family_of(spec_kind, layout.zero_stage or None, 2, tensor_parallel, data_parallel)
+    family = family_of_layout(layout, tensor_parallel, data_parallel)
     return family is not None and adapter_cell(kind, family) is not None
 
 

@@ -10,7 +10,7 @@ under FSDP2, since compile leaves the head eager).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "ADAPTERS",
@@ -24,6 +24,7 @@ __all__ = [
     "adapter_cell",
     "cell",
     "family_of",
+    "family_of_layout",
     "refusals_markdown",
 ]
 
@@ -154,6 +155,13 @@ def family_of(
     if kind == "other":
         return None
     return "ddp" if kind == "ddp" else "single"
+
+
+def family_of_layout(layout: Any, tensor_parallel: int = 1, data_parallel: int = 1) -> Family | None:
+    """:func:`family_of` for the planner's :class:`~lightning_trainopt.planner.strategy_layout.StrategyLayout`
+    (``kind`` ``single`` is one device; FSDP there is FSDP2), so ``config/`` asks here instead of reading its kind."""
+    kind = {"single": "none"}.get(layout.kind, layout.kind)
+    return family_of(kind, layout.zero_stage or None, 2, tensor_parallel, data_parallel)
 
 
 def refusals_markdown() -> str:

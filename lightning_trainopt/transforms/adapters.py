@@ -112,7 +112,7 @@ class AdapterSpec:
     @property
     def enabled(self) -> bool:
         """An adapter is applied (``kind`` is not ``none``)."""
-        return self.kind != "none"
+        return self.kind in ("lora", "qlora")
 
 
 @dataclass

@@ -137,6 +137,7 @@ _STAGE_ATTR = re.compile(r"^(zero_)?stage(_\d)?$")
 # Loss kinds, model kinds (preset, hf, module), inspect.Parameter kinds and probe verdicts share the word ``kind``;
 # they are no strategy.
 _NOT_A_STRATEGY_KIND = frozenset({"p", "loss", "_probe", "_verdict", "v", "param", "model"})
+_ADAPTER_KINDS = frozenset({"lora", "qlora"})
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -180,8 +181,10 @@ def strategy_kind_tests(source: str) -> list[tuple[int, str]]:
                 found.append((node.lineno, f"reads .{name}"))
         elif isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            if _names(node) & {"LOSS_KINDS", "modules"}:
-                continue  # a loss's kind, or `"deepspeed" in sys.modules` (is the package imported)
+            if _names(node) & {"LOSS_KINDS", "modules", "ADAPTER_KINDS", "_KINDS"}:
+                continue  # a loss's or an adapter's kind, or `"deepspeed" in sys.modules` (is the package imported)
+            if any(isinstance(c, ast.Constant) and c.value in _ADAPTER_KINDS for c in ast.walk(node)):
+                continue  # an adapter's kind (adapter=none|lora|qlora): no strategy is called lora
             for side in sides:
                 if isinstance(side, ast.Attribute) and side.attr == "kind" and _owner(side) not in _NOT_A_STRATEGY_KIND:
                     found.append((node.lineno, "compares .kind"))
@@ -240,6 +243,8 @@ def test_the_kind_scan_leaves_what_tests_no_strategy():
         "    # isinstance(strategy, DeepSpeedStrategy) would be a finding in code, not in a comment\n"
         "    ok = isinstance(strategy, Strategy) and strategy.spec.wraps_in_engine\n"
         "    return ok and loss.kind == 'chunked' and p.kind == p.VAR_KEYWORD\n"
+        "def g(spec, adapter):\n"
+        "    return spec.kind == 'qlora' or adapter.kind in ('lora', 'qlora') or spec.kind not in ADAPTER_KINDS\n"
         "class Hooks(DeepSpeedStrategy):\n"
         "    pass\n"
     )
