@@ -158,6 +158,11 @@ def count_params(module: torch.nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
 
 
+def count_trainable_params(module: torch.nn.Module) -> int:
+    """The parameters that get gradients (with an adapter: the adapters only), counted as :func:`count_params` does."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
+
+
 def model_name(preset: str | None, module: torch.nn.Module) -> str:
     """What metrics.json calls the model: the preset's ``model.name``, the Hugging Face ``model_type``, or the class
     name."""

@@ -48,12 +48,19 @@ def quiet_console(on_cpu: bool) -> None:
         rank_zero.addFilter(_DropTips())
 
 
-def model_line(name: str, n_params: int, trainable: int | None = None) -> str:
+def model_line(name: str, n_params: int, trainable: int | None = None, adapter: str | None = None) -> str:
     """The one line train.py prints about the model instead of Lightning's summary table.
 
     Lightning's table counts FLOPs only for a module with an ``example_input_array`` and otherwise prints a FLOPs
     column of zeros and ``Total FLOPs: 0``; the run's real FLOPs are SpeedMonitor's (metrics.json ``throughput``).
+    With an adapter (``adapter``: its kind) the line is printed before the adapters exist (they are injected when the
+    strategy builds the model), so it gives the base's count and points to metrics.json's ``trainable_params``.
     """
+    if adapter is not None:
+        return (
+            f"model {name}: {n_params:,} parameters in the base, frozen; adapter={adapter} trains only its adapters "
+            "(metrics.json trainable_params); FLOPs: SpeedMonitor's figures."
+        )
     trainable = n_params if trainable is None else trainable
     frozen = f", {n_params - trainable:,} frozen" if trainable != n_params else ""
     return f"model {name}: {n_params:,} parameters ({trainable:,} trainable{frozen}); FLOPs: SpeedMonitor's figures."

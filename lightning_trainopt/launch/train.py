@@ -28,7 +28,7 @@ from lightning_trainopt.callbacks._summary_table import callback_summaries, prin
 from lightning_trainopt.checkpoint.files import write_text_atomic
 from lightning_trainopt.checkpoint.io import use_atomic_checkpoint_io
 from lightning_trainopt.config.build import build_run, config_runs_on_cpu, micro_batch, read_run, trainer_kwargs
-from lightning_trainopt.config.model_factory import count_params
+from lightning_trainopt.config.model_factory import count_params, count_trainable_params
 from lightning_trainopt.config.run_spec import DataSpec, LaunchSpec, RunSpec
 from lightning_trainopt.exceptions import CheckpointWriteError, ConfigError
 from lightning_trainopt.launch.console import StepsProgressBar, model_line, quiet_console
@@ -273,7 +273,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if "enable_model_summary" not in kwargs:
         # Lightning's table would show a FLOPs column of zeros (it counts only with an example_input_array).
         kwargs["enable_model_summary"] = False
-        rank_zero_info(model_line(built.name, built.n_params))
+        adapter = run.adapter.kind if run.adapter.enabled else None
+        rank_zero_info(model_line(built.name, built.n_params, adapter=adapter))
     trainer = pl.Trainer(
         **kwargs,
         strategy=strategy,
@@ -393,6 +394,7 @@ def _collect_metrics(
         **outcome,
         "model": name,
         "n_params": count_params(module),
+        "trainable_params": count_trainable_params(module),
         **strategy_info,
         "precision": precision.name,
         "trainer_precision": precision.trainer_precision,

@@ -52,6 +52,8 @@ def test_lora_on_one_device_with_checkpointing_chunked_ce_and_bf16(tmp_path):
     assert metrics["status"] == "ok"
     (record,) = _records(tmp_path, 1)
     _check_trained_only_adapters(record)
+    # metrics.json counts the adapters as what was trained, the base and the adapters as the model.
+    assert 0 < metrics["trainable_params"] < metrics["n_params"] / 2
 
 
 def test_qlora_on_a_hugging_face_llama_with_int8_activations(tmp_path):
