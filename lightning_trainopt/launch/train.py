@@ -288,6 +288,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     interrupted: SystemExit | None = None
     write_failed: CheckpointWriteError | None = None
     train_loss = None
+    # The training figures as the fit left them: the final validation pass resets the callback metrics.
+    after_fit: dict[str, Any] = {}
     stopped: dict[str, Any] = {"stopped_by": None, "stopped_at_step": None}
     final_validation = "not reached"
     info = _strategy_info(trainer, run)
@@ -297,6 +299,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # Read before the final validation pass: it resets the callback metrics, and under DeepSpeed it
         # re-initialises the engine for inference (without ZeRO below stage 3).
         train_loss = trainer.callback_metrics.get("train_loss")
+        after_fit = dict(trainer.callback_metrics)
         stopped = early_stop(trainer)
         info = _strategy_info(trainer, run)
         retire_requeue_checkpoints(trainer, run_dir)  # else Lightning validates the requeue checkpoint's weights
@@ -334,7 +337,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         outcome["interrupt_checkpoint"] = next((path for path in saved if path), None)
     if status == "diverged":
         log.warning("the final train loss is %s: recorded as status=diverged", loss)
-    metrics = _collect_metrics(run.data, trainer, module, built.name, clock, precision, outcome, wall, loss, info)
+    metrics = _collect_metrics(
+        run.data, trainer, module, built.name, clock, precision, outcome, wall, loss, info, after_fit
+    )
     if trainer.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / METRICS_FILE, metrics_json(metrics))
@@ -381,6 +386,7 @@ def _collect_metrics(
     wall: float,
     train_loss: float | None,
     strategy_info: dict[str, Any],
+    after_fit: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     cb = trainer.callback_metrics
     dims = clock.dims or ParallelDims.from_trainer(trainer)  # as read when training started, if it did
@@ -418,7 +424,8 @@ def _collect_metrics(
         "wall_seconds": wall,
     }
     metrics.update(callback_summaries(_callbacks(trainer)))
-    metrics.update(_distill_metrics(module, cb))
+    # train/* as the fit left them (the final validation pass reset them), val/* from that pass.
+    metrics.update(_distill_metrics(module, {**(after_fit or {}), **cb}))
     return metrics
 
 

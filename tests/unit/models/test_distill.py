@@ -153,3 +153,32 @@ def test_speed_monitor_counts_the_teachers_forward(teacher_ckpt: Path) -> None:
     # A user's flops_per_batch_fn is the whole count; a module without a teacher is unchanged.
     assert _with_teacher_flops((7, 9), module, shape, user_fn=True) == (7, 9)
     assert _with_teacher_flops((7, 9), LitGPT(STUDENT), shape, user_fn=False) == (7, 9)
+
+
+def test_the_app_writes_both_terms_to_metrics_json_after_the_final_validation(teacher_ckpt: Path, tmp_path: Path):
+    # train.py experiment=distill end to end: the final validation pass resets the callback metrics, and the train
+    # terms were once missing from metrics.json for that reason (only val_ce and val_kl were written).
+    from lightning_trainopt.launch.train import train
+    from tests.helpers.compose import TINY, compose_config
+
+    overrides = [
+        "experiment=distill",
+        f"distill.teacher={teacher_ckpt}",
+        *TINY,
+        "callbacks=none",
+        "model.vocab_size=256",
+    ]
+    metrics = train(compose_config(overrides, tmp_path))
+    assert metrics["status"] == "ok"
+    assert metrics["final_validation"] == "done"
+    for key in ("train_ce", "train_kl", "val_ce", "val_kl"):
+        assert key in metrics, key
+        assert metrics[key] > 0
+    alpha, t = metrics["distill"]["alpha"], metrics["distill"]["temperature"]
+    assert metrics["train_loss"] == pytest.approx(
+        (1 - alpha) * metrics["train_ce"] + alpha * t * t * metrics["train_kl"]
+    )
+    assert metrics["distill"]["teacher"] == str(teacher_ckpt)
+    # n_params and trainable_params are the student's: the teacher is frozen and counted apart.
+    assert metrics["trainable_params"] == metrics["n_params"]
+    assert metrics["distill"]["teacher_params"] > 0
