@@ -76,7 +76,8 @@ TABLE["keep_fp32"]["fsdp1"] = _FSDP1_CONVERT
 
 # The adapter dimension (``adapter=lora|qlora``, issue #22): which strategy family trains which adapter. What the
 # strategies that take one do differently is in parallel/adapters.py; tests/integration/test_adapter_sharding.py fits
-# every OK cell of ddp, zero12, zero3, fsdp2 and tp on 2 gloo ranks.
+# every OK cell of ddp, zero12, zero3, fsdp2 and tp on 2 gloo ranks; tests/unit/parallel/test_tp.py trains lora under
+# fsdp_tp (TP 2 x FSDP2 2, and TP 2 x HSDP 2 replicas) on 4 against a one-process replay.
 Adapter = Literal["lora", "qlora"]
 ADAPTERS: tuple[Adapter, ...] = ("lora", "qlora")
 
@@ -97,24 +98,18 @@ _ZERO_QLORA = Refusal(
 _TP_QLORA = Refusal(
     "a 4-bit weight is packed two values a byte in one flat column, with one scale per block of 64 values, so it "
     "cannot be split into the rows or columns a column- or row-parallel layer holds.",
-    "use +strategy=fsdp with adapter=qlora, or adapter=lora with +strategy=tp.",
+    "use +strategy=fsdp with adapter=qlora, or adapter=lora with +strategy=tp or +strategy=fsdp_tp.",
 )
-_FSDP_TP_ADAPTER = Refusal(
-    "LoRA's tensor-parallel plan (parallel/adapters.py) is tested with tensor parallelism alone; under FSDP2 x TP the "
-    "adapters' replicated and sharded pieces on two meshes have not been verified in this project.",
-    "use +strategy=tp (tensor parallelism only) or +strategy=fsdp with the adapter.",
-)
-
 #: ``ADAPTER_TABLE[adapter][family]``: ``OK`` or the refusal (the adapter dimension of :data:`TABLE`).
 ADAPTER_TABLE: dict[Adapter, dict[Family, Refusal | None]] = {
     adapter: dict.fromkeys(FAMILIES, OK) for adapter in ADAPTERS
 }
 for _adapter in ADAPTERS:
     ADAPTER_TABLE[_adapter]["fsdp1"] = _FSDP1_ADAPTER
-    ADAPTER_TABLE[_adapter]["fsdp_tp"] = _FSDP_TP_ADAPTER
 ADAPTER_TABLE["qlora"]["zero12"] = _ZERO_QLORA
 ADAPTER_TABLE["qlora"]["zero3"] = _ZERO_QLORA
 ADAPTER_TABLE["qlora"]["tp"] = _TP_QLORA
+ADAPTER_TABLE["qlora"]["fsdp_tp"] = _TP_QLORA
 
 
 def adapter_cell(adapter: str, family: Family) -> Refusal | None:

@@ -23,7 +23,9 @@ for tests/unit/parallel/test_tp.py:
   and ``fsdp_tp``) of our GPT and of a tiny Hugging Face Llama against the loss-parallel cross-entropy: the loss and
   each gradient;
 * ``fit``: a Lightning fit with ``TrainOptTPStrategy`` (built on the meta device): ParallelDims, the sampler's
-  sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to.
+  sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to;
+* ``lora`` (4 processes): ``adapter=lora`` under TP 2 x FSDP2 2 (and HSDP 2 x 1) against a one-process replay
+  (:func:`lora`).
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node=N tests/unit/parallel/_tp_worker.py OUT_DIR
 
@@ -64,6 +66,7 @@ from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy  # noqa: 
 from lightning_trainopt.precision.convert import convert_model  # noqa: E402
 from lightning_trainopt.precision.fp8_spec import FP8PrecisionSpec  # noqa: E402
 from lightning_trainopt.precision.spec import PrecisionSpec  # noqa: E402
+from lightning_trainopt.transforms.adapters import AdapterSpec  # noqa: E402
 from lightning_trainopt.transforms.checkpointing import CheckpointPolicy  # noqa: E402
 from lightning_trainopt.transforms.chunked_loss import ChunkedLMHeadLoss, head_returns_loss  # noqa: E402
 from lightning_trainopt.transforms.compression import Int8Compressor, gradient_relative_error  # noqa: E402
@@ -443,6 +446,64 @@ def meta(dims: ParallelDims, rank: int, out: Path) -> dict[str, Any]:
     return got
 
 
+def lora(dims: ParallelDims, replicate: int) -> dict[str, Any]:
+    """``adapter=lora`` under ``+strategy=fsdp_tp``: LoRA injected (step 1 of the rewrite), the adapter TP plan on the
+    TP mesh, then ``fully_shard`` over the data-parallel mesh (``replicate`` > 1: HSDP's 2-D one), as
+    ``TrainOptTPStrategy`` does; SGD with momentum on each data-parallel rank's half of the global batch against a
+    one-process replay of the same model on the whole batch: the losses, the trained adapters, whether a frozen
+    weight changed, the optimizer state's elements against the adapters'."""
+    names = ("dp_replicate", "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (replicate, dims.dp // replicate, dims.tp), mesh_dim_names=names)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    torch.manual_seed(0)
+    spec = AdapterSpec(kind="lora", r=4, alpha=8, dropout=0.0)
+    whole = Holder(GPT(SHAPE))
+    apply_rewrites(whole, RewritePlan(adapter=spec))
+    holder = copy.deepcopy(whole)
+    apply_rewrites(holder, RewritePlan(tensor_parallel=2), tp_mesh=mesh["tp"])  # the adapters are in the copy
+    if dims.dp > 1:
+        apply_fully_shard(holder, ["Block"], dp_mesh, cpu_offload=False, reshard_after_forward=True)
+    frozen = {n: _whole(p).detach().clone() for n, p in holder.named_parameters() if not p.requires_grad}
+    trainable = [p for p in holder.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.5, momentum=0.9)
+    opt_whole = torch.optim.SGD([p for p in whole.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+    losses, whole_losses = [], []
+    dp_rank = dims.dp_rank(dist.get_rank())
+    for step in range(STEPS):
+        batch = torch.randint(0, VOCAB, (2 * dims.dp, SEQ), generator=torch.Generator().manual_seed(step))
+        want = _loss("gpt", whole, batch)
+        want.backward()
+        opt_whole.step()
+        opt_whole.zero_grad()
+        whole_losses.append(float(want.detach()))
+        with loss_parallel():
+            part = _whole(_loss("gpt", holder, batch[2 * dp_rank : 2 * dp_rank + 2]))
+            part.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = part.detach().clone()
+        dist.all_reduce(mean)  # every rank of a tensor-parallel group holds its replica's loss
+        losses.append(float(mean) / dims.world_size)
+    after = {n: _whole(p).detach() for n, p in holder.named_parameters() if not p.requires_grad}
+    # SGD's momentum buffers: a DTensor counts its whole size (FSDP2 and TP shard it as its parameter).
+    state = sum(_whole(s["momentum_buffer"]).numel() for s in opt.state.values())
+    trained = {n: _whole(p).detach() for n, p in holder.named_parameters() if p.requires_grad}
+    want_trained = {n: p.detach() for n, p in whole.named_parameters() if p.requires_grad}
+    return {
+        "adapter_names_match": trained.keys() == want_trained.keys(),
+        "adapter_max_diff": max(float((trained[n] - want_trained[n]).abs().max()) for n in trained),
+        "lora_b_norm": sum(float(p.norm()) for n, p in trained.items() if "lora_B" in n),
+        "losses": losses,
+        "whole_losses": whole_losses,
+        "base_unchanged": all(torch.equal(frozen[n], after[n]) for n in frozen),
+        "frozen_numel": sum(t.numel() for t in frozen.values()),
+        "trainable_numel": sum(_whole(p).numel() for p in trainable),
+        "state_numel": state,
+        "state_params": len(opt.state),
+        "dtensors": sum(isinstance(p, DTensor) for p in trainable),
+    }
+
+
 class Probe(pl.Callback):
     """Records the dims, the loader's sharding, each batch and each loss of this rank."""
 
@@ -550,6 +611,7 @@ def main(out: Path) -> None:
     seen["hf_split"] = hf_split(dims)
     if world == 4:
         seen["meta"] = meta(dims, rank, out)
+        seen["lora"] = {"fsdp": lora(dims, replicate=1), "hsdp": lora(dims, replicate=2)}
     seen["chunked"] = chunked(dims)
     seen["chunked_hf"] = chunked(dims, "hf")
     seen["fit"] = fit(dims)

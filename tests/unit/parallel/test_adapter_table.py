@@ -83,7 +83,7 @@ def test_no_adapter_is_never_refused_and_the_table_says_where_each_adapter_train
         preflight(_input("none", family))
     trains = {a: [f for f in FAMILIES if ADAPTER_TABLE[a][f] is None] for a in ADAPTERS}
     assert trains == {
-        "lora": ["single", "ddp", "zero12", "zero3", "fsdp2", "tp"],
+        "lora": ["single", "ddp", "zero12", "zero3", "fsdp2", "tp", "fsdp_tp"],
         "qlora": ["single", "ddp", "fsdp2"],
     }
     assert "adapter=qlora + zero3" in refusals_markdown()

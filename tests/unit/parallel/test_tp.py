@@ -123,6 +123,24 @@ def test_fit_on_the_hsdp_mesh_reads_one_batch_per_replica_and_clips(ranks):
     assert fits[0]["losses"] != fits[2]["losses"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["fsdp", "hsdp"])
+def test_lora_under_tp_and_fsdp2_trains_like_one_process(ranks, mesh):
+    """adapter=lora under +strategy=fsdp_tp (TP 2 x FSDP2 2, and TP 2 x HSDP 2 replicas): the ADAPTER_TABLE cell
+    it allows."""
+    for seen in ranks:
+        got = seen["lora"][mesh]
+        assert got["losses"] == pytest.approx(got["whole_losses"], abs=1e-5)
+        assert got["adapter_names_match"]
+        assert got["adapter_max_diff"] < 1e-5  # the adapters trained to the one-process replay's values
+        assert got["lora_b_norm"] > 0  # they did train (peft starts lora_B at zero)
+        assert got["base_unchanged"]
+        assert got["frozen_numel"] > 2 * got["trainable_numel"]
+        # optimizer state for exactly the adapters, each a DTensor (TP's layouts, sharded by FSDP2)
+        assert got["state_numel"] == got["trainable_numel"]
+        assert got["state_params"] == got["dtensors"] == 28  # q, k, v, o, gate, up, down x A, B x 2 blocks
+
+
 def test_an_architecture_without_a_plan_is_refused_with_those_that_have_one():
     with pytest.raises(IncompatibleConfigError) as err:
         apply_tensor_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), _Mesh(2))
