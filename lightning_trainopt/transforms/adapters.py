@@ -249,10 +249,18 @@ def base_state_hash(model: nn.Module) -> str:
     that hold the same weights, so a resume can tell that the base it rebuilt is the one the adapter was trained on."""
     digest = hashlib.sha256()
     state = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied head's key too
     sharded = False
     for key in sorted(frozen_base_names(model)):
         value = state[key]
         digest.update(key.encode())
+        zero3_shape = getattr(params.get(key), "ds_shape", None)
+        if zero3_shape is not None:
+            # A ZeRO-3 parameter: its name, dtype and whole shape only. DeepSpeed's checkpoint holds the frozen
+            # partitions and loads them itself (DeepSpeed #3090, fixed in 0.19.8), so no rebuilt base replaces them;
+            # and the bytes a rank sees differ between the save (an empty placeholder) and a resume's load hook.
+            digest.update(f"zero3{value.dtype}{tuple(zero3_shape)}".encode())
+            continue
         if isinstance(value, torch.Tensor):
             tensor = value.detach()
             if hasattr(tensor, "to_local"):  # FSDP2/TP: this rank's shard (the whole would be gathered on every rank)
