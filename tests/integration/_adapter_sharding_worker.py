@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+from lightning_trainopt.config.rewrite import install_app_rewrites  # noqa: E402
 from lightning_trainopt.data.datamodule import TextDataModule  # noqa: E402
 from lightning_trainopt.launch.multirun import teardown_distributed  # noqa: E402
 from lightning_trainopt.models.config import GPTConfig  # noqa: E402
 from lightning_trainopt.models.lit_gpt import LitGPT  # noqa: E402
-from lightning_trainopt.parallel.apply import RewritePlan, rewrite_at_configure_model  # noqa: E402
 from lightning_trainopt.transforms.adapters import AdapterSpec  # noqa: E402
 
 CFG = GPTConfig(name="worker", vocab_size=64, n_layers=2, d_model=64, n_heads=2, ffn_hidden=128, max_seq_len=32)
@@ -39,14 +39,19 @@ MICRO = 2
 LR = 0.5
 
 
+#: The token ids each saved fit's adapter model scores after the save (``RUN_DIR/adapter_logits.pt``), for the export.
+PROBE = torch.arange(2 * 32).reshape(2, 32) % 64
+
+
 class AdapterGPT(LitGPT):
-    """LitGPT with the adapter applied as the app applies it: step 1 of the ordered rewrite, at ``configure_model``
-    (under FSDP2/TP the strategy then builds the model whole, not on the meta device)."""
+    """LitGPT with the adapter applied as train.py applies it (``install_app_rewrites``): step 1 of the ordered
+    rewrite, at ``configure_model`` (under FSDP2/TP the strategy then builds the model whole, not on the meta device),
+    and checkpoints that record the adapter and leave out the frozen base where they can."""
 
     def __init__(self, adapter: str) -> None:
         super().__init__(CFG, optimizer=partial(torch.optim.SGD, lr=LR, momentum=0.9))
         spec = AdapterSpec(kind=adapter, r=4, alpha=8, dropout=0.0)  # type: ignore[arg-type]
-        rewrite_at_configure_model(self, RewritePlan(adapter=spec))
+        install_app_rewrites(self, [], adapter=spec)
 
 
 def gathered(module: torch.nn.Module, zero3: bool, trainable: bool) -> dict[str, torch.Tensor]:
@@ -141,9 +146,18 @@ def _fit(strategy: str, adapter: str, max_steps: int, ckpt: str | None, save: st
         num_sanity_val_steps=0,
         callbacks=[record],
     )
-    trainer.fit(AdapterGPT(adapter), datamodule=data, ckpt_path=ckpt)
+    module = AdapterGPT(adapter)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     if save is not None:
         trainer.save_checkpoint(save)
+        # The saved adapter model's logits (a collective forward: the sharded weights are gathered), which
+        # tests/integration/test_adapter_sharding.py compares with trainopt-export's outputs.
+        module.eval()
+        with torch.no_grad():
+            logits = module.model(PROBE)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        if torch.distributed.get_rank() == 0:
+            torch.save(logits.float(), os.path.join(os.path.dirname(os.path.dirname(save)), "adapter_logits.pt"))
     if strategy != "tp":  # each data-parallel rank's loss is its micro-batch's mean: average them
         losses = torch.tensor(record.losses)
         torch.distributed.all_reduce(losses)
@@ -200,7 +214,8 @@ def _next_process_group() -> None:
 def run_case(case: str, folder: str) -> dict[str, Any]:
     strategy, adapter, *resume = case.split(":")
     if resume:
-        ckpt = os.path.join(folder, case.replace(":", "_") + ".ckpt")
+        # A run folder as train.py lays it out (RUN_DIR/checkpoints/), which trainopt-export takes.
+        ckpt = os.path.join(folder, case.replace(":", "_"), "checkpoints", "last.ckpt")
         first = _fit(strategy, adapter, 2, None, ckpt)
         _next_process_group()
         second = _fit(strategy, adapter, 4, ckpt, None)
@@ -231,6 +246,7 @@ def run_case(case: str, folder: str) -> dict[str, Any]:
         "resumed_step": second.start_step,
         "resumed_from_saved": resumed_from_saved,
         "lora_b_norm_at_start": b_norm,
+        "run_dir": os.path.dirname(os.path.dirname(ckpt)) if resume else None,
     }
 
 

@@ -6,7 +6,9 @@ replay's loss at every step (the adapters' gradients are reduced and applied as 
 first batch scores lower after the steps), keep every frozen weight byte for byte, hold optimizer state for the adapters
 only, start with ``lora_B`` at zero (peft's init, which ZeRO-3's ``zero.Init`` used to lose, peft #2916), and resume
 from the saved adapters at the saved step (DeepSpeed checkpoints hold the frozen weights too, DeepSpeed #3090). DDP is
-the plain case and is covered by the adapter core's own tests.
+the plain case and is covered by the adapter core's own tests. The fits write checkpoints as train.py does (the
+adapter recorded, the base's hash checked on resume), and ``trainopt-export`` reads the ZeRO-3 and FSDP2 run folders
+back into a Hugging Face model and a peft adapter with the fitted adapter model's logits.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).with_name("_adapter_sharding_worker.py")
 # Resumed where the checkpoint's frozen weights are in question (ZeRO-3's partitions, FSDP2's 4-bit shards); each
 # resume costs a second fit (~20 s on the shared CI CPUs).
-CASES = ("zero2:lora", "zero3:lora:resume", "fsdp:qlora:resume", "tp:lora")
+CASES = ("zero2:lora", "zero3:lora:resume", "fsdp:lora:resume", "fsdp:qlora:resume", "tp:lora")
+#: The saved runs trainopt-export reads back: a ZeRO-3 checkpoint directory and an FSDP2 DCP one, written as train.py
+#: writes them (the adapter recorded, the frozen base kept where the checkpoint is sharded).
+EXPORTED = ("zero3:lora:resume", "fsdp:lora:resume")
+#: The worker's PROBE: the tokens whose logits it saved from the adapter model after the save.
+PROBE = torch.arange(2 * 32).reshape(2, 32) % 64
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,3 +74,34 @@ def test_adapter_state_and_resume(results: dict, case: str) -> None:
     if case.endswith(":resume"):
         assert got["resumed_step"] == 2, case
         assert got["resumed_from_saved"], case
+
+
+@pytest.mark.parametrize("case", EXPORTED)
+def test_trainopt_export_of_the_run_gives_the_adapter_models_logits(results: dict, case: str, tmp_path: Path) -> None:
+    """``trainopt-export RUN_DIR --format hf`` and ``--format peft`` on the run folder the fit saved (ZeRO-3's
+    partitions or FSDP2's DCP shards, gathered on one process): the merged Hugging Face model (our GPT as Llama) and
+    the peft adapter on the checkpoint's base give the logits the adapter model gave after the save."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_trainopt.checkpoint.export import main
+    from lightning_trainopt.checkpoint.export_source import read_checkpoint, resolve_checkpoint
+    from lightning_trainopt.models import LitGPT
+
+    run_dir = Path(results[case]["run_dir"])
+    want = torch.load(run_dir / "adapter_logits.pt")
+    for fmt in ("hf", "peft"):
+        main([str(run_dir), "--out", str(tmp_path / fmt), "--format", fmt])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        torch.testing.assert_close(merged(PROBE).logits, want, atol=1e-5, rtol=0)
+        # The base as the checkpoint holds it (whole again; keyed like the model inside the LightningModule), the
+        # exported adapter loaded onto it by peft.
+        state, hyper = read_checkpoint(resolve_checkpoint(run_dir))
+        lit = LitGPT(hyper["model"])
+        lit.configure_model()
+        base = lit.model
+        base.load_state_dict({k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k})
+        assert (base(PROBE) - want).abs().max() > 1e-3  # the trained adapter does change the outputs
+        adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+        torch.testing.assert_close(adapted.base_model.model(PROBE), want, atol=1e-5, rtol=0)
