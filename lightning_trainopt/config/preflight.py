@@ -603,27 +603,8 @@ def preflight_from_cfg(cfg: Any, n_params: int | None = None, world_size: int | 
     )
     check_packages(required_packages(p))
     check_tensor_parallel(cfg)
-    _check_distill_tensor_parallel(cfg, p.tensor_parallel)
     _check_adapter(cfg, precision)
     return preflight(p)
-
-
-def _check_distill_tensor_parallel(cfg: Any, tp: int) -> None:
-    """Distillation under tensor parallelism is refused: it runs, but its first-step loss is not yet explained.
-
-    Measured on 2 CPU processes: the distilled student's first-step cross-entropy under ``+strategy=tp`` was 5.2570
-    against 5.2889 on one device (same seed and data), while plain TP matches one device to 1e-7
-    (docs/distillation.md, "Not yet"). A run whose numbers are not understood is not offered.
-    """
-    distill = cfg.get("distill") if hasattr(cfg, "get") else None
-    if distill is None or tp <= 1:
-        return
-    raise IncompatibleConfigError(
-        {"experiment": "distill", "strategy.tensor_parallel_size": tp},
-        "distillation under tensor parallelism is not verified yet: its first-step loss differs from the one-device "
-        "run of the same seed and data (docs/distillation.md).",
-        "distill under +strategy=fsdp or +strategy=zero3 (the teacher is sharded like the student), or one device.",
-    )
 
 
 def _check_adapter(cfg: Any, precision: dict[str, Any]) -> None:

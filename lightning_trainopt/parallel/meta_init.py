@@ -58,11 +58,16 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
+def _has_own_init(module: nn.Module) -> bool:
+    """``module`` has a per-module ``_init_weights`` that is not a torch class's."""
+    # own_class: FSDP2 swaps a sharded module's class for a generated ``FSDP<Name>`` defined in torch.
+    return callable(getattr(module, "_init_weights", None)) and own_class(module).__module__.split(".")[0] != "torch"
+
+
 def owner_of_init(root: nn.Module) -> nn.Module | None:
     """The outermost module of ``root`` with a per-module ``_init_weights`` that is not a torch class, or ``None``."""
     for module in root.modules():
-        # own_class: FSDP2 swaps a sharded module's class for a generated ``FSDP<Name>`` defined in torch.
-        if callable(getattr(module, "_init_weights", None)) and own_class(module).__module__.split(".")[0] != "torch":
+        if _has_own_init(module):
             return module
     return None
 
@@ -164,18 +169,32 @@ def build_order(root: nn.Module) -> list[BuildStep]:
 
     A Hugging Face model: construction and ``post_init``'s ``initialize_weights`` as transformers interleaves them
     (:func:`~lightning_trainopt._compat.transformers_internals.build_order`). Else every module constructed in
-    ``modules()`` order, then the outermost ``_init_weights`` owner (our ``GPT``) over its modules in ``modules()``
-    order, each shared parameter once, as ``GPT.reset_parameters`` does; without an owner, construction only (a
-    user's modules and their ``reset_parameters``).
+    ``modules()`` order, each outermost ``_init_weights`` owner (our ``GPT``) running its init over its modules in
+    ``modules()`` order, each shared parameter once, as ``GPT.reset_parameters`` does, right after its own modules
+    are constructed (so a second model built after it, a distillation teacher, draws after the student's init, as
+    eagerly); without an owner, construction only (a user's modules and their ``reset_parameters``).
     """
     hf = hf_build_order(root)
     if hf:
         return hf
-    order: list[BuildStep] = [(module, None) for module in root.modules()]
-    owner = owner_of_init(root)
-    if owner is not None:
-        init: Callable[[nn.Module], None] = owner._init_weights  # type: ignore[assignment]
-        order += [(module, init) for module in _owner_order(owner)]
+    order: list[BuildStep] = []
+    seen: set[int] = set()
+
+    def construct(module: nn.Module, inside_owner: bool) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        order.append((module, None))
+        owns = not inside_owner and _has_own_init(module)
+        for child in module.children():
+            construct(child, inside_owner or owns)
+        if owns:
+            # The owner initialises its modules when its own construction ends (GPT.__init__ calls
+            # reset_parameters), before a module built after it (a distillation teacher beside the student) draws.
+            init: Callable[[nn.Module], None] = module._init_weights  # type: ignore[assignment]
+            order.extend((m, init) for m in _owner_order(module))
+
+    construct(root, False)
     return order
 
 

@@ -1,6 +1,7 @@
-"""experiment=distill under FSDP2 on 2 CPU processes (one spawn, _distill_worker.py): the teacher is sharded like the
-student, frozen and bit-identical to its checkpoint, outside the optimizer and the student's checkpoint; the sharded
-loss equals the one-process loss of the same weights; a resume from the checkpoint (which has no teacher) goes on."""
+"""experiment=distill under FSDP2, tensor parallelism and ZeRO-3 on 2 CPU processes (one spawn, _distill_worker.py):
+the teacher is sharded like the student, frozen and bit-identical to its checkpoint, outside the optimizer; the sharded
+loss equals the one-process loss of the same weights; under TP each step's loss equals the one-process run of the
+same seed (the student built on the meta device gets the eager build's weights); a resume goes on."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ TEACHER = GPTConfig(n_layers=2, d_model=48, n_heads=2, ffn_hidden=96, max_seq_le
 
 
 @pytest.mark.slow
-def test_distillation_under_fsdp2_on_two_processes(tmp_path: Path) -> None:
+def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) -> None:
     torch.manual_seed(1)
     teacher = GPT(TEACHER)
     # A Lightning checkpoint as LitGPT writes it: the weights under model., the shape in the hyper-parameters.
@@ -38,7 +39,8 @@ def test_distillation_under_fsdp2_on_two_processes(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        r = report["fsdp"]
         # Its two blocks and then the teacher itself are FSDP2 units; each rank holds half of every tensor.
         assert r["teacher_fsdp_units"] == 3
         assert r["teacher_all_dtensor"]
@@ -53,3 +55,30 @@ def test_distillation_under_fsdp2_on_two_processes(tmp_path: Path) -> None:
         assert r["checkpoint_student_keys"] > 0
         assert r["resumed_step"] == 3
         assert r["resumed_teacher_bit_identical"]
+
+        # Tensor parallelism: the same seed, the batches the fit saw, replayed on one process from an eager build.
+        t = report["tp"]
+        assert t["student_dtensor"]
+        assert t["teacher_bit_identical"]
+        assert t["teacher_frozen"]
+        assert len(t["tp_loss"]) == len(t["one_loss"]) == 3
+        assert t["tp_loss"] == pytest.approx(t["one_loss"], abs=1e-4)
+        assert t["tp_ce"] == pytest.approx(t["one_ce"], abs=1e-4)
+        assert t["tp_loss"][0] != t["tp_loss"][-1]  # it trained
+
+        # ZeRO-3: the teacher partitioned by zero.Init (half of it per rank), frozen, outside DeepSpeed's optimizer.
+        z = report["zero3"]
+        assert z["teacher_partitioned"]
+        assert z["teacher_local_fraction"] == pytest.approx(0.5, abs=0.02)
+        assert z["teacher_bit_identical"]
+        assert z["teacher_frozen"]
+        assert z["teacher_eval"]
+        assert not z["teacher_in_optimizer"]
+        assert z["student_in_optimizer"]
+        assert z["sharded_loss"] == pytest.approx(z["reference_loss"], rel=1e-5)
+        assert z["train_kl"] > 0
+        # DeepSpeed writes every frozen parameter into its files (exclude_frozen_parameters would drop a LoRA base
+        # too; docs/distillation.md): the teacher's fragments are there, and the resume reads it from its source.
+        assert z["checkpoint_teacher_fragments"] == z["teacher_tensors"]
+        assert z["resumed_step"] == 3
+        assert z["resumed_teacher_bit_identical"]

@@ -299,13 +299,12 @@ def test_non_finite_guard_skip_is_read_from_the_callbacks_node():
     assert preflight_from_cfg(cfg) == []
 
 
-def test_distillation_under_tensor_parallelism_is_refused_and_under_fsdp_it_is_not(tmp_path):
+def test_distillation_passes_preflight_under_tensor_parallelism_and_fsdp(tmp_path):
+    # Refused while TP's first-step loss differed from one device: the meta build's replay gave the student other
+    # weights with a teacher beside it (parallel/meta_init.build_order; tests/integration/test_distill_sharded.py).
     from tests.helpers.compose import compose_config
 
     teacher = str(tmp_path / "teacher.ckpt")  # pre-flight runs before the teacher is read
     common = ["experiment=distill", f"distill.teacher={teacher}", "trainer=ddp_sim"]
-    with pytest.raises(IncompatibleConfigError) as refused:
-        preflight_from_cfg(compose_config([*common, "+strategy=tp"]))
-    assert "distill" in str(refused.value)
-    assert "+strategy=fsdp" in str(refused.value)
-    preflight_from_cfg(compose_config([*common, "+strategy=fsdp"]))
+    for strategy in ("+strategy=tp", "+strategy=fsdp"):
+        preflight_from_cfg(compose_config([*common, strategy]))
