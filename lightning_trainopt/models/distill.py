@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torchmetrics import MeanMetric
-from typing_extensions import override
 
 from lightning_trainopt._compat.lightning_internals import module_trainer
 from lightning_trainopt.exceptions import ConfigError
@@ -181,6 +180,42 @@ class _Distillation:
         self.teacher = None
         self._teacher_loaded = False
         self.val_ce, self.val_kl = MeanMetric(), MeanMetric()
+
+    # The LightningModule hooks, once for both students: ``super()`` is the student class (LitGPT or LitCausalLM),
+    # the next one after this mixin in the distilling class's MRO.
+    def configure_model(self) -> None:
+        super().configure_model()  # type: ignore[misc]
+        self._build_teacher(self.build_dtype)  # type: ignore[attr-defined]  # the student class's (LitLanguageModel)
+
+    def train(self, mode: bool = True) -> Any:
+        super().train(mode)  # type: ignore[misc]
+        if self.teacher is not None:
+            self.teacher.eval()  # Lightning puts the whole module in train mode at fit start
+        return self
+
+    def on_fit_start(self) -> None:
+        self.load_teacher()
+
+    def batch_loss(self, batch: Any) -> Any:
+        return self._distill_batch_loss(batch, super().batch_loss)  # type: ignore[misc]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss: torch.Tensor = super().training_step(batch, batch_idx)  # type: ignore[misc]
+        self._log_terms(batch)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._distill_validation_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()  # type: ignore[misc]
+        self._log_val_terms()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._save_without_teacher(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._load_with_teacher(checkpoint)
 
     def _build_teacher(self, build_dtype: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
         if self.teacher is not None:
@@ -361,49 +396,6 @@ class DistillGPT(_Distillation, LitGPT):
         LitGPT.__init__(self, model, optimizer=optimizer, scheduler=scheduler)
         self._init_distillation(teacher, distill)
 
-    @override
-    def configure_model(self) -> None:
-        LitGPT.configure_model(self)
-        self._build_teacher(self.build_dtype)
-
-    @override
-    def train(self, mode: bool = True) -> DistillGPT:
-        LitGPT.train(self, mode)
-        if self.teacher is not None:
-            self.teacher.eval()  # Lightning puts the whole module in train mode at fit start
-        return self
-
-    @override
-    def on_fit_start(self) -> None:
-        self.load_teacher()
-
-    @override
-    def batch_loss(self, batch: Any) -> tuple[torch.Tensor, int]:
-        return self._distill_batch_loss(batch, lambda b: LitGPT.batch_loss(self, b))  # type: ignore[no-any-return]
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = LitGPT.training_step(self, batch, batch_idx)
-        self._log_terms(batch)
-        return loss
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._distill_validation_step(batch)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        LitGPT.on_validation_epoch_end(self)
-        self._log_val_terms()
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._save_without_teacher(checkpoint)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._load_with_teacher(checkpoint)
-
 
 class DistillCausalLM(_Distillation, LitCausalLM):
     """:class:`~lightning_trainopt.models.LitCausalLM` (the student, ``model=hf``) distilled from a frozen teacher.
@@ -428,46 +420,3 @@ class DistillCausalLM(_Distillation, LitCausalLM):
         # Passing the loss checks the student's logits are the head's (no soft-capping the loss would skip).
         LitCausalLM.__init__(self, model, optimizer=optimizer, scheduler=scheduler, loss=spec_loss)
         self._init_distillation(teacher, distill)
-
-    @override
-    def configure_model(self) -> None:
-        LitCausalLM.configure_model(self)
-        self._build_teacher(self.build_dtype)
-
-    @override
-    def train(self, mode: bool = True) -> DistillCausalLM:
-        LitCausalLM.train(self, mode)
-        if self.teacher is not None:
-            self.teacher.eval()
-        return self
-
-    @override
-    def on_fit_start(self) -> None:
-        self.load_teacher()
-
-    @override
-    def batch_loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor | int]:
-        return self._distill_batch_loss(batch, lambda b: LitCausalLM.batch_loss(self, b))  # type: ignore[no-any-return]
-
-    @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = LitCausalLM.training_step(self, batch, batch_idx)
-        self._log_terms(batch)
-        return loss
-
-    @override
-    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self._distill_validation_step(batch)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        LitCausalLM.on_validation_epoch_end(self)
-        self._log_val_terms()
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._save_without_teacher(checkpoint)
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._load_with_teacher(checkpoint)
