@@ -41,7 +41,7 @@ from lightning_trainopt.models.hf import LitCausalLM
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
 from lightning_trainopt.models.lit_gpt import LitGPT
 from lightning_trainopt.models.optimization import strategy_answers
-from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, head_weight
+from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, forward_replaced, head_weight
 from lightning_trainopt.transforms.distill_loss import DistillHeadLoss, TeacherOutputs, check_distill_args
 
 __all__ = ["DistillCausalLM", "DistillGPT", "DistillSpec", "TeacherSource", "load_full_state"]
@@ -153,15 +153,8 @@ def _head_returns_input(head: torch.nn.Module, sharded: bool, into: dict[str, An
         into["bias"] = None if bias is None else _whole(bias, sharded)
         return hidden
 
-    own = head.__dict__.get("forward")
-    head.forward = forward  # type: ignore[method-assign]
-    try:
+    with forward_replaced(head, forward):
         yield
-    finally:
-        if own is None:
-            del head.forward
-        else:
-            head.forward = own  # type: ignore[method-assign]
 
 
 class _Distillation:

@@ -26,6 +26,7 @@ from lightning_trainopt.exceptions import ConfigError
 __all__ = [
     "ChunkedLMHeadLoss",
     "chunked_cross_entropy",
+    "forward_replaced",
     "head_returns_loss",
     "head_weight",
     "run_in_head_call",
@@ -259,21 +260,29 @@ def head_weight(head: nn.Module, loss_name: str) -> torch.Tensor:
     return weight
 
 
+@contextmanager
+def forward_replaced(head: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """While inside, ``head(...)`` runs ``forward`` (set on the instance), so the strategy's module hooks still fire
+    around it; the instance's own ``forward`` (if it had one) is put back on leaving."""
+    own = head.__dict__.get("forward")
+    head.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own  # type: ignore[method-assign]
+
+
 def run_in_head_call(head: nn.Module, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *args: Any) -> Any:
     """``fn(*args)`` run as ``head``'s forward, through ``head(*args)``, so the strategy's module hooks fire.
 
     Under ZeRO-3 and FSDP2 the head's weight is a shard outside its forward: calling the module gathers it for
     forward and registers the re-gather for backward. The head's ``forward`` is swapped for this call only.
     """
-    own = head.__dict__.get("forward")
-    head.forward = fn  # type: ignore[method-assign]
-    try:
+    with forward_replaced(head, fn):
         return head(*args)
-    finally:
-        if own is None:
-            del head.forward
-        else:
-            head.forward = own  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -295,15 +304,8 @@ def head_returns_loss(head: nn.Module, loss: Any, targets: torch.Tensor, shift: 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         return loss.compute(head, hidden[:, :-1] if shift else hidden, targets)  # type: ignore[no-any-return]
 
-    own = head.__dict__.get("forward")
-    head.forward = forward  # type: ignore[method-assign]
-    try:
+    with forward_replaced(head, forward):
         yield
-    finally:
-        if own is None:
-            del head.forward
-        else:
-            head.forward = own  # type: ignore[method-assign]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
