@@ -36,13 +36,19 @@ def _lightning_logs_reach_caplog():
         logging.getLogger(name).propagate = True
 
 
-@pytest.fixture(autouse=True)
-def _restore_environment():
+def _restored_environment():
     env = dict(os.environ)
     yield
     for key in set(os.environ) - set(env):
         del os.environ[key]
     os.environ.update(env)
+
+
+_restore_environment = pytest.fixture(autouse=True)(_restored_environment)
+# Around each module too: a module-scoped fixture runs before the per-test snapshot above, so what it leaves (a
+# seed_everything's PL_GLOBAL_SEED, which Lightning's strategies re-seed from in ranks spawned later) would reach the
+# next module's spawned workers.
+_restore_environment_per_module = pytest.fixture(autouse=True, scope="module")(_restored_environment)
 
 
 @pytest.fixture(autouse=True)

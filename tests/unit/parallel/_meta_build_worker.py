@@ -114,6 +114,10 @@ def worker(rank: int, port: int, workdir: str, results: dict) -> None:
     transformers.logging.set_verbosity_error()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
     os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    # A test that ran seed_everything earlier in the same pytest worker leaves PL_GLOBAL_SEED in the environment the
+    # ranks inherit; Lightning's strategies then re-seed from it while setting up (reset_seed), before
+    # configure_model, and the user module's build below would draw from another seed than its eager reference.
+    os.environ.pop("PL_GLOBAL_SEED", None)
     config_dir, weights_dir = Path(workdir, "config"), Path(workdir, "weights")
     out: dict[str, Any] = {}
 
