@@ -11,6 +11,7 @@
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 5`   (FP8 compiled, not yet timed)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 6`   (FP8 x strategies smoke, not yet timed)
 #   device run: carry [".whl"], timeout_s 590, command `bash bench/gpu_checks.sh 7`   (precision parity, not yet timed)
+#   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 8`   (adapters, distill; not yet timed)
 #
 # Outputs go under $OUT (the device tool brings them back) or /tmp/gpu_checks. `set -u` only: one failure must not
 # hide the rest; every step has its own timeout so a hang cannot eat the session.
@@ -123,5 +124,17 @@ if [ "$PART" = "7" ]; then
     timeout 580 "$PY" train.py -m experiment=precision_parity +experiment/parity_precision=fp32,bf16,fp8,fp8_te \
         model=gpt_125m trainer=gpu trainer.devices=1 trainer.max_steps=300 data.seq_len=1024 \
         hydra.sweep.dir="$OUT/parity" 2>&1 | tail -20 | tee "$OUT/parity.txt"
+fi
+if [ "$PART" = "8" ]; then
+    # Issue #22 on one GPU: full vs LoRA vs QLoRA (bitsandbytes' CUDA 4-bit kernels) on gpt_125m and a tiny HF Llama:
+    # trainable parameters, optimizer-state bytes, base bytes, step time and loss after N steps, side by side.
+    log "adapters"
+    timeout 300 "$PY" bench/adapters.py --device cuda --steps 20 --seq 1024 --batch 8 2>&1 | tail -20 \
+        | tee "$OUT/adapters_cuda.txt"
+    # QLoRA through the app on one GPU with FSDP2 (the "done means" command, on a gpt_125m-sized run): status, memory.
+    log "qlora fsdp app"
+    timeout 150 "$PY" train.py adapter=qlora precision=bf16 +strategy=fsdp trainer=gpu trainer.devices=1 \
+        model=gpt_125m trainer.max_steps=20 data.seq_len=1024 logger=none trainer.enable_progress_bar=false \
+        hydra.run.dir="$OUT/qlora_fsdp" 2>&1 | tail -25 | tee "$OUT/qlora_fsdp.txt"
 fi
 log "done part $PART"
