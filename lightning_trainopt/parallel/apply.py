@@ -182,7 +182,9 @@ def apply_rewrites(model: nn.Module, plan: RewritePlan, mesh: Any = None, tp_mes
         if "convert" not in report.steps:
             report.steps.append("convert")
     if plan.tensor_parallel != 1:
-        report.tensor_parallel = _tensor_parallel(model, plan.tensor_parallel, tp_mesh, plan.sequence_parallel)
+        report.tensor_parallel = _tensor_parallel(
+            model, plan.tensor_parallel, tp_mesh, plan.sequence_parallel, compiled=bool(plan.compile)
+        )
         report.steps.append("tensor_parallel")
     if plan.checkpoint is not None:
         report.checkpoint = apply_activation_checkpointing(model, plan.checkpoint)
@@ -277,7 +279,9 @@ def _sequence_parallel_of(module: Any, default: bool) -> bool:
     return bool(getattr(getattr(trainer, "strategy", None), "sequence_parallel", default))
 
 
-def _tensor_parallel(model: nn.Module, degree: int, tp_mesh: Any, sequence_parallel: bool = True) -> TPReport:
+def _tensor_parallel(
+    model: nn.Module, degree: int, tp_mesh: Any, sequence_parallel: bool = True, compiled: bool = False
+) -> TPReport:
     """Step 2: the model's tensor-parallel plan over ``tp_mesh``, with torchao's float8 plans where step 1 converted
     the linear layers to ``Float8Linear``."""
     if tp_mesh is None or int(tp_mesh.size()) != degree:
@@ -287,7 +291,7 @@ def _tensor_parallel(model: nn.Module, degree: int, tp_mesh: Any, sequence_paral
             "tensor parallelism needs its device mesh: use +strategy=tp or +strategy=fsdp_tp (or pass tp_mesh=...).",
         )
     float8 = any(type(m).__name__ == "Float8Linear" for m in model.modules())
-    return apply_tensor_parallel(model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel)
+    return apply_tensor_parallel(model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel, compiled=compiled)
 
 
 def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:

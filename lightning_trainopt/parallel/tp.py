@@ -157,7 +157,7 @@ def tp_sharded_parameters(model: nn.Module) -> set[int]:
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: Any, float8: bool = False, sequence_parallel: bool = True
+    module: nn.Module, tp_mesh: Any, float8: bool = False, sequence_parallel: bool = True, compiled: bool = False
 ) -> TPReport:
     """Parallelise the language model inside ``module`` over the 1-D device mesh ``tp_mesh``, in place.
 
@@ -169,6 +169,8 @@ def apply_tensor_parallel(
             parallelism). ``False``: the residual stream is replicated, each block's input goes to the
             column-parallel layers as it is and the row-parallel outputs are all-reduced (in high precision), so
             no collective carries a float8 tensor.
+        compiled: the blocks will be compiled (step 4): the embedding then hands them a settled copy of its output
+            (:func:`_settled_output`); eager blocks skip that copy.
 
     Raises:
         IncompatibleConfigError: no plan for the architecture (the message lists those with one), or a size the TP
@@ -220,7 +222,8 @@ def apply_tensor_parallel(
     else:
         top, block_plan = _replicated_plans(names, colwise, rowwise)
     parallelize_module(model, tp_mesh, top)
-    model.get_submodule(embed).register_forward_hook(_settled_output)
+    if compiled:  # only compiled blocks need it; eager blocks take the pending collective as it is
+        model.get_submodule(embed).register_forward_hook(_settled_output)
     layers: Any = model.get_submodule(blocks)  # an nn.ModuleList
     for layer in layers:
         # A peft LoRA layer in place of a linear layer: its base and adapters get their own styles.
