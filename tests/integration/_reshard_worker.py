@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_trainopt.launch.multirun import teardown_distributed
 from lightning_trainopt.models import GPTConfig, LitGPT
 from lightning_trainopt.parallel import TrainOptFSDPStrategy, TrainOptTPStrategy
 
@@ -36,6 +37,9 @@ def main(devices: int, steps: int, save: str, load: str | None, tp: bool) -> Non
     trainer.fit(module, train_dataloaders=data, ckpt_path=load)
     trainer.save_checkpoint(save)
     print(f"rank {trainer.global_rank}: saved step {trainer.global_step}", flush=True)
+    # Without this the gloo threads are still joinable when the interpreter exits: CI saw one rank abort with
+    # "terminate called without an active exception" (exit -6) after its work was done. train.py does the same.
+    teardown_distributed()
 
 
 if __name__ == "__main__":

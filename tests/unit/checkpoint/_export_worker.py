@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
 
+from lightning_trainopt.launch.multirun import teardown_distributed
 from lightning_trainopt.models import GPTConfig, LitGPT  # noqa: E402
 
 SHAPE = GPTConfig(n_layers=2, d_model=64, n_heads=4, ffn_hidden=128, max_seq_len=16)
@@ -89,6 +90,7 @@ def main(out: str, single: bool) -> None:
     fit("zero3", out)
     _next_process_group()
     fit("fsdp2", out)
+    teardown_distributed()  # leave no gloo thread joinable at exit (an abort, exit -6, otherwise)
 
 
 if __name__ == "__main__":

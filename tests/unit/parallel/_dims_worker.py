@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from lightning_trainopt.callbacks import SpeedMonitor  # noqa: E402
+from lightning_trainopt.launch.multirun import teardown_distributed
 from lightning_trainopt.parallel.ddp import DimsSampling, TrainOptDDPStrategy  # noqa: E402
 from lightning_trainopt.parallel.dims import ParallelDims  # noqa: E402
 from tests.helpers.tiny_fit import tiny_data, tiny_module  # noqa: E402
@@ -85,6 +86,7 @@ def main(out: Path) -> None:
     _, ddp = _fit(TrainOptDDPStrategy(), DDPStrategy, [])
     seen["ddp"] = ddp.seen
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+    teardown_distributed()  # leave no gloo thread joinable at exit (an abort, exit -6, otherwise)
 
 
 if __name__ == "__main__":
