@@ -81,10 +81,12 @@ def _transforms(case: str) -> set[str]:
 def _tolerance(case: str) -> float:
     """Relative tolerance of the fit's losses against the one-process replay (2 ranks, 4 steps, SGD + momentum)."""
     transforms = _transforms(case)
-    if "bf16" in transforms:
-        # Measured at most 3.6e-5 (zero3:lora:int8+bf16: DeepSpeed's bf16 holds the weights in bf16 with fp32 masters,
-        # the replay runs Lightning's bf16 autocast); 4.6e-6 under FSDP2, 5.4e-6 under TP.
+    if "bf16" in transforms and case.startswith("zero"):
+        # DeepSpeed's bf16 holds the weights in bf16 (fp32 masters in its optimizer), the replay runs Lightning's bf16
+        # autocast: measured at most 3.6e-5 (zero3:lora:int8+bf16).
         return 2e-4
+    if "bf16" in transforms:
+        return 3e-5  # autocast on both sides: measured 4.6e-6 (FSDP2, QLoRA), 5.4e-6 (TP)
     if "qlora" in case:
         return 1e-4  # bf16 compute of the 4-bit base rounds differently on 2 ranks than on one
     if "int8" in transforms:

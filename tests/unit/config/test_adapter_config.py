@@ -9,6 +9,7 @@ from lightning_trainopt.config.run_spec import run_spec
 from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.transforms.adapters import AdapterSpec
 from tests.helpers.compose import compose_config
+from tests.integration.test_adapter_sharding import COMBINED
 
 CPU = "trainer.accelerator=cpu"
 
@@ -37,6 +38,24 @@ def test_qlora_with_fp8_or_fp16_is_refused_with_what_works(precision):
 @pytest.mark.parametrize("precision", ["bf16", "bf16_true", "fp32"])
 def test_qlora_with_bf16_or_fp32_passes(precision):
     preflight_from_cfg(compose_config([CPU, "adapter=qlora", f"precision={precision}"]))
+
+
+#: The app's overrides for a transform of tests/integration/test_adapter_sharding.py's cases.
+TRANSFORM_OVERRIDES = {
+    "ckpt": "activations=checkpoint",
+    "int8": "activations=int8",
+    "chunked_ce": "loss=chunked_ce",
+    "bf16": "precision=bf16",
+}
+
+
+@pytest.mark.parametrize("case", COMBINED)
+def test_the_sharded_adapter_cases_with_transforms_pass_the_apps_preflight(case):
+    """What the 2-process worker fits with an adapter, a sharding strategy and the transforms (it builds them from the
+    same config files, bypassing pre-flight) is what ``train.py`` accepts: nothing there is refused."""
+    strategy, adapter, *rest = case.split(":")
+    overrides = [TRANSFORM_OVERRIDES[t] for t in rest[-1].split("+")]
+    preflight_from_cfg(compose_config(["trainer=ddp_sim", f"+strategy={strategy}", f"adapter={adapter}", *overrides]))
 
 
 def test_a_target_the_model_lacks_is_refused_before_training_listing_its_layers():
