@@ -20,7 +20,9 @@ def _key_hashes(module: pl.LightningModule) -> dict[str, str]:
     """Per base tensor, a hash of its bytes: which tensors changed, when the whole-base hash says one did."""
     import hashlib
 
-    state = module.state_dict()
+    from torch.distributed.tensor import DTensor
+
+    state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}  # this rank's
     return {
         k: hashlib.sha256(state[k].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
         for k in frozen_base_names(module)
