@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig
 
-from lightning_trainopt.config.data_vocab import apply_manifest_vocab
+from lightning_trainopt.config.data_vocab import apply_hf_synthetic_vocab, apply_manifest_vocab
 from lightning_trainopt.config.model_factory import (
     build_module,
     count_params,
@@ -95,6 +95,7 @@ def read_run(cfg: DictConfig, launch_check: Callable[[Mapping[str, Any]], None] 
         IncompatibleConfigError: a combination of options is known to break.
     """
     apply_manifest_vocab(cfg)
+    apply_hf_synthetic_vocab(cfg)
     validate_config(cfg)
     if launch_check is not None:
         launch_check(plain_node(cfg.trainer))

@@ -1,20 +1,22 @@
-"""Our model's vocabulary from the token shards' manifest, unless the command line gives one."""
+"""Vocabularies one config node takes from another: our model's from the token shards' manifest (unless the command
+line gives one), and synthetic data's from a Hugging Face model's config."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_trainopt.config.model_factory import model_kind
 
-__all__ = ["TOKENIZED_TARGET", "apply_manifest_vocab"]
+__all__ = ["TOKENIZED_TARGET", "apply_hf_synthetic_vocab", "apply_manifest_vocab"]
 
 log = logging.getLogger(__name__)
 
 TOKENIZED_TARGET = "lightning_trainopt.data.TokenizedDataModule"
 _KEY = "model.vocab_size"
+_FROM_MODEL = "${model.vocab_size}"
 
 
 def _given_on_command_line(key: str) -> bool:
@@ -56,3 +58,33 @@ def apply_manifest_vocab(cfg: DictConfig) -> int | None:
         "model.vocab_size=%d from %s/manifest.json (give model.vocab_size=... to choose another)", vocab, data.path
     )
     return int(vocab)
+
+
+def apply_hf_synthetic_vocab(cfg: DictConfig) -> int | None:
+    """Give ``data=synthetic`` a Hugging Face model's vocabulary: ``model=hf ... data=synthetic`` must just run.
+
+    The synthetic data's default ``data.vocab_size`` is ``${model.vocab_size}``, which our presets define; a Hugging
+    Face model's vocabulary is in its ``config.json`` (after ``model.overrides``), not in the ``model`` node. Only that
+    default is filled in; a ``data.vocab_size`` given on the command line is kept (and checked against the model's).
+
+    Returns:
+        The vocabulary set, or ``None`` when nothing was changed.
+
+    Raises:
+        ConfigError: the model's config cannot be read (its reader's error, naming the key).
+    """
+    data, model = cfg.get("data"), cfg.get("model")
+    if data is None or model is None or data.get("corpus") != "synthetic" or model_kind(model) != "hf":
+        return None
+    raw = OmegaConf.to_container(data, resolve=False)
+    if not isinstance(raw, dict) or raw.get("vocab_size") != _FROM_MODEL or "vocab_size" in model:
+        return None
+    from hydra.utils import instantiate
+
+    vocab = getattr(instantiate(model).load(), "vocab_size", None)
+    if not isinstance(vocab, int):
+        return None  # validation names data.vocab_size and asks for a number
+    with open_dict(data):
+        data.vocab_size = vocab
+    log.info("data.vocab_size=%d: the Hugging Face model's vocabulary (data.vocab_size=N chooses another)", vocab)
+    return vocab

@@ -272,9 +272,10 @@ def plan(cfg: DictConfig) -> PlanResult:
     search = plan_cfg.get("search", False)
     if not isinstance(search, bool):
         raise ConfigError("plan.search", search, "use true or false.")
-    from lightning_trainopt.config.data_vocab import apply_manifest_vocab
+    from lightning_trainopt.config.data_vocab import apply_hf_synthetic_vocab, apply_manifest_vocab
 
     apply_manifest_vocab(cfg)
+    apply_hf_synthetic_vocab(cfg)
     validate_like_train(cfg)
     hardware = hardware_from_cfg(cfg.get("hardware"))
     on_cuda = hardware.name != "cpu"

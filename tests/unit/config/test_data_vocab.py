@@ -51,3 +51,28 @@ def test_a_path_without_a_manifest_is_refused_naming_data_path(tmp_path):
     cfg = compose_config(["data=tokenized", f"data.path={tmp_path}"], tmp_path)
     with pytest.raises(ConfigError, match="data.path"):
         apply_manifest_vocab(cfg)
+
+
+def test_synthetic_data_takes_a_hugging_face_models_vocabulary_and_trains(tmp_path):
+    # `model=hf ... data=synthetic` stopped with "data.vocab_size='${model.vocab_size}' is invalid": a Hugging Face
+    # model's vocabulary is in its config.json (after overrides), not in the model node.
+    from lightning_trainopt.config.data_vocab import apply_hf_synthetic_vocab
+    from lightning_trainopt.launch.train import train
+    from tests.helpers.hf_files import write_config
+
+    write_config("llama", tmp_path / "llama")
+    hf = ["model=hf", f"model.config={tmp_path / 'llama'}", "data=synthetic"]
+    cfg = compose_config([*hf, "+model.overrides.vocab_size=200"], tmp_path)
+    assert apply_hf_synthetic_vocab(cfg) == 200
+    assert cfg.data.vocab_size == 200
+    given = compose_config([*hf, "data.vocab_size=64"], tmp_path)
+    assert apply_hf_synthetic_vocab(given) is None
+    assert given.data.vocab_size == 64
+    ours = compose_config(["data=synthetic"], tmp_path)
+    assert apply_hf_synthetic_vocab(ours) is None
+    assert ours.data.vocab_size == ours.model.vocab_size
+
+    run = compose_config([*hf, "trainer.max_steps=2", "data.seq_len=16", "callbacks=none", "logger=none"], tmp_path)
+    metrics = train(run)
+    assert metrics["status"] == "ok"
+    assert metrics["global_step"] == 2
