@@ -8,7 +8,9 @@ parallelism and ZeRO-3, one after another in the same pair of processes (one spa
   bit-identical to its checkpoint, outside the optimizer; that the sharded module's loss equals the one-process loss
   of the same weights; save a checkpoint, check it holds no teacher tensor, and resume from it.
 - ``tp``: fit 3 steps from the seed (the student built on the meta device and initialised rank by rank) and replay the
-  batches the fit saw on one process from the same seed built eagerly (no weights copied): the losses of each step.
+  batches the fit saw on one process from the same seed built eagerly (no weights copied): the losses of each step,
+  and the widest logits chunk a rank computed (the vocabulary-parallel loss: ``V / tp``); then, for the forward and
+  the reverse KL, the student head's gradient of one batch against the gathered version's (one process, whole head).
 - ``zero3``: as ``fsdp``, the teacher partitioned by ``zero.Init``; the checkpoint's teacher fragments are counted
   (DeepSpeed writes every frozen parameter into its files; docs/distillation.md says why they stay).
 """
@@ -125,6 +127,7 @@ class _Losses(pl.Callback):
     def __init__(self) -> None:
         self.loss: list[float] = []
         self.ce: list[float] = []
+        self.width = 0  # the widest logits chunk of a step
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, i: int) -> None:
@@ -134,6 +137,42 @@ class _Losses(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.loss.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
         self.ce.append(float(pl_module.head_loss.last.ce))
+        self.width = max(self.width, pl_module.head_loss.last.logits_width)
+
+
+def _tp_head_gradient(source: TeacherSource, module: DistillGPT, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """For the forward and the reverse KL: the student's head gradient of one batch under TP (vocabulary-parallel
+    loss, gathered afterwards) against the gathered version's: one process, the same (gathered) weights, whole head."""
+    state = {n: p.full_tensor().detach() for n, p in module.model.named_parameters()}
+    whole = _module(source)
+    whole.configure_model()
+    whole.load_teacher()
+    whole.model.load_state_dict(state, strict=False)
+    got: dict[str, Any] = {}
+    for kind in ("forward", "reverse"):
+        module.head_loss.kind = whole.head_loss.kind = kind
+        module.zero_grad(set_to_none=True)
+        loss, _ = module.batch_loss((x, y))
+        loss.backward()
+        head = module.model.lm_head.weight
+        assert isinstance(head, DTensor)
+        assert isinstance(head.grad, DTensor)
+        tp_grad = head.grad.full_tensor()
+        module.zero_grad(set_to_none=True)
+        whole.zero_grad(set_to_none=True)
+        want, _ = whole.batch_loss((x, y))
+        want.backward()
+        grad = whole.model.lm_head.weight.grad
+        assert grad is not None
+        got[kind] = {
+            "loss": float(loss.detach()),
+            "want_loss": float(want.detach()),
+            "head_grad_max_diff": float((tp_grad - grad).abs().max()),
+            "head_grad_max": float(grad.abs().max()),
+        }
+    module.head_loss.kind = "forward"
+    got["whole_logits_width"] = whole.head_loss.last.logits_width
+    return {"head_gradient": got}
 
 
 def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
@@ -153,7 +192,10 @@ def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
         "teacher_frozen": all(not p.requires_grad and p.grad is None for p in module.teacher.parameters()),
         "tp_loss": losses.loss,
         "tp_ce": losses.ce,
+        "tp_logits_width": losses.width,
+        "vocab": module.model.lm_head.weight.shape[0],
     }
+    report.update(_tp_head_gradient(source, module, *losses.batches[0]))
     # One process, the same seed, the student built eagerly: the run tensor parallelism must reproduce.
     pl.seed_everything(0)
     ref = _module(source)

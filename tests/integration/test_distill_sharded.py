@@ -65,6 +65,14 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
         assert t["tp_loss"] == pytest.approx(t["one_loss"], abs=1e-4)
         assert t["tp_ce"] == pytest.approx(t["one_ce"], abs=1e-4)
         assert t["tp_loss"][0] != t["tp_loss"][-1]  # it trained
+        # The loss is vocabulary-parallel: no rank computed a logits chunk wider than its V / 2 rows.
+        assert t["tp_logits_width"] == t["vocab"] // 2
+        assert t["head_gradient"]["whole_logits_width"] == t["vocab"]
+        for kind in ("forward", "reverse"):
+            g = t["head_gradient"][kind]
+            assert g["loss"] == pytest.approx(g["want_loss"], abs=1e-4)
+            assert g["head_grad_max"] > 0
+            assert g["head_grad_max_diff"] <= 1e-4 * g["head_grad_max"]
 
         # ZeRO-3: the teacher partitioned by zero.Init (half of it per rank), frozen, outside DeepSpeed's optimizer.
         z = report["zero3"]
