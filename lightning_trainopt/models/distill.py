@@ -151,7 +151,11 @@ def _head_returns_input(head: torch.nn.Module, sharded: bool, into: dict[str, An
         into["weight"] = _whole(head_weight(head, "distill"), sharded)
         bias = getattr(head, "bias", None)
         into["bias"] = None if bias is None else _whole(bias, sharded)
-        return hidden
+        from torch.distributed.tensor import DTensor
+
+        # A tensor-parallel head's input is replicated over the group (ColwiseParallel's input hook): its local
+        # tensor is the whole one, returned plain so that the head's output hook lets it through unsharded.
+        return hidden.to_local() if isinstance(hidden, DTensor) else hidden
 
     with forward_replaced(head, forward):
         yield

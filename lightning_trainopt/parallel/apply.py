@@ -291,7 +291,22 @@ def _tensor_parallel(
             "tensor parallelism needs its device mesh: use +strategy=tp or +strategy=fsdp_tp (or pass tp_mesh=...).",
         )
     float8 = any(type(m).__name__ == "Float8Linear" for m in model.modules())
-    return apply_tensor_parallel(model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel, compiled=compiled)
+    report = apply_tensor_parallel(
+        model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel, compiled=compiled
+    )
+    _tensor_parallel_teacher(model, tp_mesh, sequence_parallel)
+    return report
+
+
+def _tensor_parallel_teacher(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """A distillation teacher (``model.teacher``, models/distill.py) gets the student's plan on the same mesh: each
+    rank holds ``1 / tp`` of it, its head is sharded over the vocabulary as the student's, and the distillation loss
+    is vocabulary-parallel over both heads (transforms/distill_loss.py). Its blocks are not compiled (it only runs
+    forward under no_grad)."""
+    teacher = getattr(model, "teacher", None)
+    if isinstance(teacher, nn.Module):
+        float8 = any(type(m).__name__ == "Float8Linear" for m in teacher.modules())
+        apply_tensor_parallel(teacher, tp_mesh, float8=float8, sequence_parallel=sequence_parallel)
 
 
 def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:

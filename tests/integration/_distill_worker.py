@@ -42,6 +42,10 @@ STUDENT = GPTConfig(n_layers=2, d_model=32, n_heads=2, ffn_hidden=64, max_seq_le
 TOKENS = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def _data() -> DataLoader:
     return DataLoader(TensorDataset(TOKENS[:, :-1], TOKENS[:, 1:]), batch_size=2)
 
@@ -185,6 +189,10 @@ def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
     saved = source.load_state()
     report: dict[str, Any] = {
         "student_dtensor": all(isinstance(p, DTensor) for p in module.model.parameters()),
+        # The teacher gets the student's plan: its head sharded over the vocabulary as the student's.
+        "teacher_head_placements": [str(p) for p in module.teacher.lm_head.weight.placements],
+        "teacher_local_fraction": sum(_local(p).numel() for p in module.teacher.parameters())
+        / sum(p.numel() for p in module.teacher.parameters()),
         "teacher_bit_identical": all(
             torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, saved[n])
             for n, p in module.teacher.named_parameters()

@@ -59,6 +59,8 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
         # Tensor parallelism: the same seed, the batches the fit saw, replayed on one process from an eager build.
         t = report["tp"]
         assert t["student_dtensor"]
+        assert t["teacher_head_placements"] == ["S(0)"]  # the teacher split by the student's plan
+        assert t["teacher_local_fraction"] == pytest.approx(0.5, abs=0.02)
         assert t["teacher_bit_identical"]
         assert t["teacher_frozen"]
         assert len(t["tp_loss"]) == len(t["one_loss"]) == 3
