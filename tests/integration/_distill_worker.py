@@ -11,8 +11,8 @@ parallelism and ZeRO-3, one after another in the same pair of processes (one spa
   batches the fit saw on one process from the same seed built eagerly (no weights copied): the losses of each step,
   and the widest logits chunk a rank computed (the vocabulary-parallel loss: ``V / tp``); then, for the forward and
   the reverse KL, the student head's gradient of one batch against the gathered version's (one process, whole head).
-- ``zero3``: as ``fsdp``, the teacher partitioned by ``zero.Init``; the checkpoint's teacher fragments are counted
-  (DeepSpeed writes every frozen parameter into its files; docs/distillation.md says why they stay).
+- ``zero3``: as ``fsdp``, the teacher partitioned by ``zero.Init``; the checkpoint's teacher tensors are counted (its
+  frozen fragments and module keys: none, the module is saved without its teacher).
 """
 
 from __future__ import annotations
@@ -246,7 +246,8 @@ def zero3_case(source: TeacherSource, out: Path) -> dict[str, Any]:
     trainer.strategy.barrier()
     rank = torch.distributed.get_rank()
     files = sorted(ckpt.rglob(f"zero_pp_rank_{rank}_*model_states.pt"))
-    fragments = torch.load(files[0], map_location="cpu", weights_only=False).get("frozen_param_fragments") or {}
+    states = torch.load(files[0], map_location="cpu", weights_only=False)
+    fragments = states.get("frozen_param_fragments") or {}
     report = {
         "teacher_partitioned": all(hasattr(p, "ds_id") for _, p in params),
         "teacher_local_fraction": sum(p.ds_tensor.numel() for _, p in params) / sum(p.ds_numel for _, p in params),
@@ -259,6 +260,8 @@ def zero3_case(source: TeacherSource, out: Path) -> dict[str, Any]:
         "reference_loss": _reference_loss(source, student_state),
         "train_kl": float(trainer.callback_metrics["train/kl"]),
         "checkpoint_teacher_fragments": len([k for k in fragments if k.startswith("teacher.")]),
+        "checkpoint_teacher_module_keys": len([k for k in states["module"] if k.startswith("teacher.")]),
+        "checkpoint_student_module_keys": len([k for k in states["module"] if k.startswith("model.")]),
         "teacher_tensors": len(params),
     }
     _next_process_group()
