@@ -448,3 +448,15 @@ def test_distillation_under_tp_and_fsdp2_shards_the_teacher_like_the_student(ran
         assert got["sharded_loss"] == pytest.approx(got["reference_loss"], rel=1e-5)
         assert got["logits_width"] == got["vocab"] // 2
         assert got["train_kl"] > 0
+
+
+def test_a_teacher_the_tp_size_cannot_split_is_refused_naming_the_teacher():
+    """The TP step gives a distillation teacher the student's plan: a teacher with 3 heads under TP 2 is refused
+    (naming distill.teacher and what does not divide), before anything is split."""
+    from lightning_trainopt.parallel.apply import _tensor_parallel_teacher
+
+    holder = torch.nn.Module()
+    holder.teacher = GPT(GPTConfig(name="t3", vocab_size=64, n_layers=1, d_model=48, n_heads=3, max_seq_len=16))
+    with pytest.raises(IncompatibleConfigError, match=r"distill\.teacher.*heads") as err:
+        _tensor_parallel_teacher(holder, _Mesh(2), sequence_parallel=True)
+    assert err.value.keys["strategy.tensor_parallel_size"] == 2
