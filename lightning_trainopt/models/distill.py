@@ -135,11 +135,11 @@ def load_full_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], p
 
 
 def _whole(weight: torch.Tensor, sharded: bool) -> torch.Tensor:
-    """The head weight as a plain whole tensor that outlives the head's call (the strategy frees its gather)."""
-    from torch.distributed.tensor import DTensor
+    """The head weight as it is in the head's call, made to outlive it (FSDP2/ZeRO-3 free their gather after it).
 
-    if isinstance(weight, DTensor):
-        return weight.full_tensor().detach()
+    A tensor-parallel teacher's head stays a DTensor sharded over the vocabulary: the student's loss is
+    vocabulary-parallel too and each rank only needs its rows (a clone of them under FSDP2 x TP).
+    """
     return weight.detach().clone() if sharded else weight.detach()
 
 
@@ -151,7 +151,11 @@ def _head_returns_input(head: torch.nn.Module, sharded: bool, into: dict[str, An
         into["weight"] = _whole(head_weight(head, "distill"), sharded)
         bias = getattr(head, "bias", None)
         into["bias"] = None if bias is None else _whole(bias, sharded)
-        return hidden
+        from torch.distributed.tensor import DTensor
+
+        # A tensor-parallel head's input is replicated over the group (ColwiseParallel's input hook): its local
+        # tensor is the whole one, returned plain so that the head's output hook lets it through unsharded.
+        return hidden.to_local() if isinstance(hidden, DTensor) else hidden
 
     with forward_replaced(head, forward):
         yield

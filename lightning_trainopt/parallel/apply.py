@@ -51,9 +51,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
-from lightning_trainopt.parallel.tp import TPReport, apply_tensor_parallel
+from lightning_trainopt.parallel.tp import (
+    TPReport,
+    apply_tensor_parallel,
+    architecture_of,
+    inner_model,
+    model_shape,
+    tp_divisibility_errors,
+)
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
 from lightning_trainopt.transforms.adapters import AdapterReport, AdapterSpec, apply_adapter
@@ -291,7 +298,35 @@ def _tensor_parallel(
             "tensor parallelism needs its device mesh: use +strategy=tp or +strategy=fsdp_tp (or pass tp_mesh=...).",
         )
     float8 = any(type(m).__name__ == "Float8Linear" for m in model.modules())
-    return apply_tensor_parallel(model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel, compiled=compiled)
+    report = apply_tensor_parallel(
+        model, tp_mesh, float8=float8, sequence_parallel=sequence_parallel, compiled=compiled
+    )
+    _tensor_parallel_teacher(model, tp_mesh, sequence_parallel)
+    return report
+
+
+def _tensor_parallel_teacher(model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """A distillation teacher (``model.teacher``, models/distill.py) gets the student's plan on the same mesh: each
+    rank holds ``1 / tp`` of it, its head is sharded over the vocabulary as the student's, and the distillation loss
+    is vocabulary-parallel over both heads (transforms/distill_loss.py). Its blocks are not compiled (it only runs
+    forward under no_grad)."""
+    teacher = getattr(model, "teacher", None)
+    if not isinstance(teacher, nn.Module):
+        return
+    inner, tp = inner_model(teacher), int(tp_mesh.size())
+    arch = architecture_of(inner)
+    bad = [] if arch is None else tp_divisibility_errors(model_shape(inner), tp)
+    if arch is None or bad:
+        found = getattr(getattr(inner, "config", None), "model_type", None) or type(inner).__name__
+        why = "has no tensor-parallel plan" if arch is None else f"has sizes not divisible by {tp}: {', '.join(bad)}"
+        raise IncompatibleConfigError(
+            {"distill.teacher": found, "strategy.tensor_parallel_size": tp},
+            f"the distillation teacher gets the student's tensor-parallel plan, and it {why}.",
+            "use a teacher whose heads, KV heads, FFN width and vocabulary the TP size divides (and an architecture "
+            "with a plan), a smaller strategy.tensor_parallel_size, or +strategy=fsdp.",
+        )
+    float8 = any(type(m).__name__ == "Float8Linear" for m in teacher.modules())
+    apply_tensor_parallel(teacher, tp_mesh, float8=float8, sequence_parallel=sequence_parallel)
 
 
 def _fully_shard(model: nn.Module, plan: RewritePlan, mesh: Any) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,6 +181,23 @@ def _rerun_custom_init(root: torch.nn.Module, existing: set[int]) -> None:
 
     for child in root.children():
         visit(child)
+
+
+def _holds_teacher(strategy: Any, checkpoint_path: PathLike) -> bool:
+    """Whether the DeepSpeed checkpoint's module state (this rank's ``*model_states.pt``) has a tensor of the
+    module's distillation teacher (a key under its name in the engine's module)."""
+    teacher = getattr(strategy.lightning_module, "teacher", None)
+    engine = getattr(strategy, "deepspeed_engine", None)
+    if not isinstance(teacher, torch.nn.Module) or engine is None or not os.path.isdir(checkpoint_path):
+        return False
+    prefixes = tuple(f"{name}." for name, m in engine.module.named_modules() if m is teacher)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    root = Path(checkpoint_path)
+    files = sorted(root.glob(f"*/zero_pp_rank_{rank}_*model_states.pt")) or sorted(root.glob("*/mp_rank_*states.pt"))
+    if not files:
+        return False
+    saved = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True).get("module") or {}
+    return any(key.startswith(prefixes) for key in saved)
 
 
 class TrainOptDeepSpeedStrategy(DimsSampling, DeepSpeedStrategyHooks):
@@ -412,15 +431,28 @@ class TrainOptDeepSpeedStrategy(DimsSampling, DeepSpeedStrategyHooks):
     # ----------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: PathLike, storage_options: Any | None = None) -> None:
-        """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part."""
+        """Write the (sharded) checkpoint to a staging directory; swap it in once every rank wrote its part.
+
+        A distillation teacher is left out: the module is saved without it (``excluded_from_checkpoint``), so
+        DeepSpeed writes neither its module keys nor its frozen fragments; the resume reads it from its own source.
+        DeepSpeed's ``exclude_frozen_parameters`` is not used for this: it drops an adapter's frozen base too, and it
+        leaves the key of a tied alias (a GPT teacher's ``lm_head.weight``), which the strict resume then refuses.
+        """
         parent_save = super().save_checkpoint
-        save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))
+        excluded = getattr(self.lightning_module, "excluded_from_checkpoint", None)
+        with excluded() if callable(excluded) else contextlib.nullcontext():  # type: ignore[misc]
+            save_directory_checkpoint(self, filepath, lambda staging: parent_save(checkpoint, staging, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.exists(checkpoint_path):
             raise ConfigError("ckpt_path", str(checkpoint_path), "point it at an existing checkpoint directory.")
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        # A checkpoint without the teacher's tensors is loaded into the student alone (DeepSpeed's module load is
+        # strict); one written with them (before the teacher was left out) loads as it was saved.
+        excluded = getattr(self.lightning_module, "excluded_from_checkpoint", None)
+        leave_out = callable(excluded) and not _holds_teacher(self, checkpoint_path)
+        with excluded() if leave_out else contextlib.nullcontext():  # type: ignore[misc]
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting and os.path.isdir(checkpoint_path) and self.offload_devices()["optimizer"] == "nvme":
             restore_nvme_optimizer_state(self.model, str(checkpoint_path))

@@ -346,7 +346,7 @@ def estimate_plan(
             acts = acts + MemoryEstimate.of([dequantized_weight_term(adapter, inputs.compute_bytes, tp)])
         model_flops += adapter.flops_delta(tokens)
     if teacher is not None:
-        states = states + teacher_terms(teacher, inputs.compute_bytes, inputs.layout, inputs.shard_size, tokens)
+        states = states + teacher_terms(teacher, inputs.compute_bytes, inputs.layout, inputs.shard_size, tokens, tp)
         # The teacher's forward is work done (MFU counts it) and time spent.
         model_flops += int(teacher.forward_flops_per_token * tokens)
     if tp > 1:

@@ -56,7 +56,12 @@ def gpt_teacher_plan(cfg: GPTConfig, seq_len: int) -> TeacherPlan:
 
 
 def teacher_terms(
-    teacher: TeacherPlan, compute_bytes: int, layout: StrategyLayout, world_size: int, tokens: int
+    teacher: TeacherPlan,
+    compute_bytes: int,
+    layout: StrategyLayout,
+    world_size: int,
+    tokens: int,
+    tensor_parallel: int = 1,
 ) -> MemoryEstimate:
     """The teacher's bytes on one rank.
 
@@ -67,8 +72,10 @@ def teacher_terms(
             host; DDP and ZeRO-1/2 keep it whole on every rank.
         world_size: ranks the student's states are sharded over.
         tokens: tokens of one micro-batch.
+        tensor_parallel: the TP size: the teacher gets the student's TP plan, each tensor split over the group (its
+            norm vectors, whole on each TP rank, are counted split too: well under 1% of a model's weights).
     """
-    w = world_size if layout.shards_params else 1
+    w = (world_size if layout.shards_params else 1) * tensor_parallel
     where = "device" if layout.offload_params == "none" else layout.offload_params
     n = teacher.n_params
     shards = sum(math.ceil(k / w) for k in teacher.numels)

@@ -14,7 +14,11 @@ them: nothing but the two hidden-state tensors and those gradients is kept, and 
 again in backward (under ZeRO-3/FSDP2 it is resharded as soon as the teacher's forward ends).
 
 :class:`DistillHeadLoss` is the student's head loss (``head_returns_loss``): it runs inside the student head's own call,
-so the strategy gathers the student's head weight exactly as for the plain ``lm_head(x)``.
+so the strategy gathers the student's head weight exactly as for the plain ``lm_head(x)``. Under tensor parallelism
+the head weight is a DTensor sharded over the vocabulary and :func:`vocab_parallel_chunked_distillation_loss` runs
+instead: each rank projects only its ``V / tp`` rows of both heads, and the softmaxes, the cross-entropy and the KL are
+reduced over the tensor-parallel group (as ``chunked_loss.vocab_parallel_chunked_cross_entropy`` does for ``loss=
+chunked_ce``): no rank ever holds a token's whole-vocabulary logits.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = [
     "check_distill_args",
     "chunked_distillation_loss",
     "distillation_loss",
+    "vocab_parallel_chunked_distillation_loss",
 ]
 
 DistillKind = Literal["forward", "reverse"]
@@ -71,11 +76,14 @@ class DistillTerms:
         loss: ``(1 - alpha) * ce + alpha * T^2 * kl`` (differentiable).
         ce: the student's cross-entropy against the targets.
         kl: the KL divergence at temperature ``T`` (without the ``T^2`` factor).
+        logits_width: the last dimension of the widest logits chunk this rank computed: ``V``, or ``V / tp`` under
+            tensor parallelism (the vocabulary-parallel loss); 0 for the whole-logits reference.
     """
 
     loss: torch.Tensor
     ce: torch.Tensor
     kl: torch.Tensor
+    logits_width: int = 0
 
 
 def _kl_and_grad(
@@ -115,6 +123,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         chunk: int,
         ignore_index: int,
         want_grad: bool,
+        probe: dict[str, int],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # The logits' dtype: autocast's under mixed precision (as F.linear would give), else the hidden states'; the
         # softmaxes and sums run in fp32 (as chunked_cross_entropy does).
@@ -139,6 +148,7 @@ class _ChunkedDistillation(torch.autograd.Function):
                 h = hidden[start:end].to(dtype)
                 zs = F.linear(h, w, b).float()
                 zt = F.linear(t_hidden[start:end].to(t_dtype), tw, tb).float()
+                probe["logits_width"] = max(probe.get("logits_width", 0), zs.shape[-1], zt.shape[-1])
                 ok = valid[start:end]
                 t = targets[start:end].clamp(min=0)
                 lse = torch.logsumexp(zs, dim=-1)
@@ -182,7 +192,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
             return None if g is None else (g.float() * scale).to(g.dtype)
 
-        return (scaled(grad_hidden), scaled(grad_weight), scaled(grad_bias), *([None] * 10))
+        return (scaled(grad_hidden), scaled(grad_weight), scaled(grad_bias), *([None] * 11))
 
 
 def chunked_distillation_loss(
@@ -231,6 +241,7 @@ def chunked_distillation_loss(
     if flat.shape[0] != t_flat.shape[0]:
         raise ValueError(f"student has {flat.shape[0]} positions, teacher {t_flat.shape[0]}")
     want_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    probe: dict[str, int] = {}
     loss, ce, kl = _ChunkedDistillation.apply(
         flat,
         weight,
@@ -245,8 +256,218 @@ def chunked_distillation_loss(
         chunk_tokens,
         ignore_index,
         want_grad,
+        probe,
     )
-    return DistillTerms(loss, ce, kl)
+    return DistillTerms(loss, ce, kl, probe.get("logits_width", 0))
+
+
+class _VocabParallelChunkedDistillation(torch.autograd.Function):
+    """:class:`_ChunkedDistillation` over head weights sharded on the vocabulary across ``group`` (tensor parallelism):
+    each rank projects a chunk of tokens through its ``V / tp`` rows of both heads. Per chunk, three all-reduces over
+    the group make every softmax whole: the max of each model's logits (one op, the two stacked), then the sums of
+    exponentials (the student's at 1 and at ``T``, the teacher's at ``T``) with the target's logit, then the per-token
+    KL (the reverse KL's gradient needs it). The gradients are computed in forward as in the one-device loss: each
+    rank its shard of the head weight's, and its part of the hidden states', summed over the group once at the end.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        t_hidden: torch.Tensor,
+        t_weight: torch.Tensor,
+        targets: torch.Tensor,
+        alpha: float,
+        temperature: float,
+        kind: str,
+        chunk: int,
+        ignore_index: int,
+        vocab_start: int,
+        group: Any,
+        want_grad: bool,
+        probe: dict[str, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        import torch.distributed as dist
+
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        t_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t_hidden.dtype
+        valid = targets != ignore_index
+        count = valid.sum().clamp(min=1).float()
+        rows, T = weight.shape[0], temperature
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < rows)  # the target's logit is on this rank's shard
+        at = local.clamp(0, rows - 1).unsqueeze(1)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        with torch.autocast(device, enabled=False):
+            w, tw = weight.to(dtype), t_weight.to(t_dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                end = min(start + chunk, hidden.shape[0])
+                h = hidden[start:end].to(dtype)
+                zs = F.linear(h, w).float()  # (chunk, V / tp): this rank's slice of the vocabulary
+                zt = F.linear(t_hidden[start:end].to(t_dtype), tw).float()
+                probe["logits_width"] = max(probe.get("logits_width", 0), zs.shape[-1], zt.shape[-1])
+                peaks = torch.stack([zs.amax(dim=-1), zt.amax(dim=-1)])
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+                a_s, a_t = zs - peaks[0].unsqueeze(1), zt - peaks[1].unsqueeze(1)
+                ok, hit = valid[start:end], mine[start:end]
+                picked = zs.gather(1, at[start:end]).squeeze(1) * hit
+                # max(z / T) = max(z) / T for T > 0: the one max serves the softmax at 1 and at T.
+                sums = torch.stack([a_s.exp().sum(-1), (a_s / T).exp().sum(-1), (a_t / T).exp().sum(-1), picked])
+                dist.all_reduce(sums, group=group)
+                lse = peaks[0] + sums[0].log()
+                ce_sum += ((lse - sums[3]) * ok).sum()
+                log_s = a_s / T - sums[1].log().unsqueeze(1)
+                log_t = a_t / T - sums[2].log().unsqueeze(1)
+                if kind == "forward":
+                    p = log_t.exp()
+                    kl = (p * (log_t - log_s)).sum(-1)
+                else:
+                    p = log_s.exp()
+                    kl = (p * (log_s - log_t)).sum(-1)
+                dist.all_reduce(kl, group=group)  # each rank summed its slice of the vocabulary
+                kl_sum += (kl * ok).sum()
+                if not (need_h or need_w):
+                    continue
+                # The one-device gradients (see _kl_and_grad), on this rank's slice of the logits.
+                g_kl = (log_s.exp() - p) / T if kind == "forward" else p * (log_s - log_t - kl.unsqueeze(1)) / T
+                g_ce = torch.exp(zs - lse.unsqueeze(1))
+                g_ce.scatter_add_(1, at[start:end], -hit.to(g_ce.dtype).unsqueeze(1))
+                g = ((1.0 - alpha) * g_ce + (alpha * T * T) * g_kl) * (ok.unsqueeze(1) / count)
+                g = g.to(dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = (g @ w).float()
+                if grad_weight is not None:
+                    grad_weight += (g.t() @ h).float()
+        if grad_hidden is not None:
+            dist.all_reduce(grad_hidden, group=group)  # every shard's part of d loss / d hidden
+        ce, kl_mean = ce_sum / count, kl_sum / count
+        loss = (1.0 - alpha) * ce + alpha * T * T * kl_mean
+        ctx.save_for_backward(
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+        )
+        ctx.mark_non_differentiable(ce, kl_mean)
+        return loss, ce, kl_mean
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is None and grad_weight is None and any(ctx.needs_input_grad[:2]):
+            raise RuntimeError(
+                "vocab_parallel_chunked_distillation_loss was computed without gradients (want_grad=False); compute "
+                "it under torch.enable_grad to backpropagate through it."
+            )
+        scale = grad_out.float()
+
+        def scaled(g: torch.Tensor | None) -> torch.Tensor | None:
+            return None if g is None else (g.float() * scale).to(g.dtype)
+
+        return (scaled(grad_hidden), scaled(grad_weight), *([None] * 12))
+
+
+def _vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, Any]:
+    """A head weight DTensor sharded on the vocabulary: its local rows, the first row's vocabulary id, the group."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = list(weight.placements)  # type: ignore[attr-defined]
+    sharded = [i for i, p in enumerate(placements) if p == Shard(0)]
+    if len(sharded) != 1 or any(p != Replicate() for i, p in enumerate(placements) if i != sharded[0]):
+        raise ValueError(f"the head weight's placements {placements} are not Shard(0) over one mesh dimension")
+    mesh, dim = weight.device_mesh, sharded[0]  # type: ignore[attr-defined]
+    if weight.shape[0] % mesh.size(dim):
+        raise ValueError(f"a vocabulary of {weight.shape[0]} does not split evenly over {mesh.size(dim)} ranks")
+    local_weight = weight.to_local()  # type: ignore[attr-defined]
+    return local_weight, mesh.get_local_rank(dim) * local_weight.shape[0], mesh.get_group(dim)
+
+
+def vocab_parallel_chunked_distillation_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    alpha: float = 0.5,
+    temperature: float = 1.0,
+    kind: DistillKind = "forward",
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = -100,
+) -> DistillTerms:
+    """:func:`chunked_distillation_loss` with the student's head weight a DTensor sharded over the vocabulary.
+
+    No rank computes more than ``V / tp`` logits of a token (``DistillTerms.logits_width``): each projects a chunk
+    through its rows of both heads and the softmaxes, the cross-entropy and the KL are reduced over the tensor-parallel
+    group. The loss is a plain scalar, the same on every rank of the group; backward gives each rank its shard of the
+    head weight's gradient and the whole gradient of the (replicated) hidden states.
+
+    Args:
+        hidden: ``(..., d)`` the student's hidden states: a DTensor replicated over the group (what ColwiseParallel's
+            input hook gives the head) or a plain tensor, the same on every rank of the group.
+        weight: ``(V, d)`` DTensor, ``Shard(0)`` on one mesh dimension and replicated on any other.
+        teacher_hidden: ``(..., d_t)`` the teacher's hidden states (a replicated DTensor or a plain tensor).
+        teacher_weight: ``(V, d_t)`` sharded as ``weight`` (a tensor-parallel teacher) or a plain whole tensor, of
+            which this rank uses the rows of its vocabulary slice (a view, no copy).
+        targets: ``(...)`` token ids, the same on every rank of the group.
+        alpha: weight of the KL term.
+        temperature: softmax temperature of the KL term.
+        kind: ``forward`` or ``reverse``.
+        chunk_tokens: tokens per chunk.
+        ignore_index: the target id that does not count.
+
+    Raises:
+        ConfigError: a bad ``alpha``, ``temperature``, ``kind`` or ``chunk_tokens``.
+        ValueError: a weight not sharded on the vocabulary over one mesh dimension, the two heads sharded
+            differently, or the two vocabularies or token counts differ.
+    """
+    from torch.distributed.tensor import DTensor
+
+    check_distill_args(alpha, temperature, kind, chunk_tokens)
+    if weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"student vocabulary {weight.shape[0]} != teacher vocabulary {teacher_weight.shape[0]}")
+    local_weight, vocab_start, group = _vocab_shard(weight)
+    rows = local_weight.shape[0]
+    if isinstance(teacher_weight, DTensor):
+        t_local, t_start, _ = _vocab_shard(teacher_weight)
+        if (t_start, t_local.shape[0]) != (vocab_start, rows):
+            raise ValueError(
+                f"the teacher's head holds vocabulary rows {t_start}..{t_start + t_local.shape[0]} on this rank, "
+                f"the student's {vocab_start}..{vocab_start + rows}"
+            )
+    else:
+        t_local = teacher_weight[vocab_start : vocab_start + rows]
+    if isinstance(hidden, DTensor):
+        hidden = hidden.full_tensor()  # replicated: no communication; its gradient is the whole one on each rank
+    if isinstance(teacher_hidden, DTensor):
+        teacher_hidden = teacher_hidden.full_tensor()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    t_flat = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    if flat.shape[0] != t_flat.shape[0]:
+        raise ValueError(f"student has {flat.shape[0]} positions, teacher {t_flat.shape[0]}")
+    want_grad = torch.is_grad_enabled() and (hidden.requires_grad or local_weight.requires_grad)
+    probe: dict[str, int] = {}
+    loss, ce, kl = _VocabParallelChunkedDistillation.apply(
+        flat,
+        local_weight,
+        t_flat.detach(),
+        t_local.detach(),
+        targets.reshape(-1),
+        float(alpha),
+        float(temperature),
+        kind,
+        chunk_tokens,
+        ignore_index,
+        vocab_start,
+        group,
+        want_grad,
+        probe,
+    )
+    return DistillTerms(loss, ce, kl, probe.get("logits_width", 0))
 
 
 def distillation_loss(
@@ -287,19 +508,25 @@ def distillation_loss(
     return DistillTerms(loss, ce.detach(), kl.detach())
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
+def _is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return isinstance(t, DTensor)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel teacher's head beside a student that is not tensor-parallel: gathered."""
+    return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
 
 
 @dataclass(frozen=True)
 class TeacherOutputs:
-    """What the teacher's forward left for the student's head loss: its hidden states and its (gathered) head.
+    """What the teacher's forward left for the student's head loss: its hidden states and its head weight.
 
     Args:
         hidden: ``(batch, seq, d_t)`` hidden states before the teacher's head.
-        weight: ``(V, d_t)`` the teacher's head weight, whole (gathered under ZeRO-3/FSDP2/TP).
+        weight: ``(V, d_t)`` the teacher's head weight: whole (gathered under ZeRO-3/FSDP2), or a DTensor sharded
+            over the vocabulary when the teacher is tensor-parallel (each rank keeps its rows).
         bias: its bias, if any.
     """
 
@@ -364,26 +591,30 @@ class DistillHeadLoss:
             raise RuntimeError("DistillHeadLoss needs the teacher's outputs: call it inside teacher_batch(...).")
         t = self._teacher
         weight, bias = head_weight(head, self.name), getattr(head, "bias", None)
-        # Tensor parallelism: the student's head is sharded over the vocabulary and its input replicated. The KL
-        # needs each token's whole distribution, so the head is gathered (full_tensor is differentiable: each rank
-        # keeps its shard of the gradient); the vocabulary-parallel chunked KL is not written yet.
-        hidden, weight = _whole(hidden), _whole(weight)
-        bias = None if bias is None else _whole(bias)
         t_hidden = t.hidden[:, : hidden.shape[1]] if t.hidden.dim() == 3 and hidden.dim() == 3 else t.hidden
-        terms = chunked_distillation_loss(
-            hidden,
-            weight,
-            t_hidden,
-            t.weight,
-            targets,
-            bias=bias,
-            teacher_bias=t.bias,
-            alpha=self.alpha,
-            temperature=self.temperature,
-            kind=self.kind,  # type: ignore[arg-type]
-            chunk_tokens=self.chunk_tokens,
-            ignore_index=self.ignore_index,
-        )
+        settings: dict[str, Any] = {
+            "alpha": self.alpha,
+            "temperature": self.temperature,
+            "kind": self.kind,
+            "chunk_tokens": self.chunk_tokens,
+            "ignore_index": self.ignore_index,
+        }
+        if _is_dtensor(weight):
+            # Tensor parallelism: the student's head is sharded over the vocabulary and its input replicated; each
+            # rank computes its slice of both models' logits, the softmaxes are reduced over the group.
+            if bias is not None or t.bias is not None:
+                raise ConfigError(
+                    "distill",
+                    "a head bias",
+                    "a head with a bias is not supported under tensor parallelism; use a data-parallel strategy "
+                    "(+strategy=fsdp).",
+                )
+            terms = vocab_parallel_chunked_distillation_loss(hidden, weight, t_hidden, t.weight, targets, **settings)
+        else:
+            t_weight, t_bias = _whole(t.weight), None if t.bias is None else _whole(t.bias)
+            terms = chunked_distillation_loss(
+                hidden, weight, t_hidden, t_weight, targets, bias=bias, teacher_bias=t_bias, **settings
+            )
         self.last = terms
         return terms.loss
 

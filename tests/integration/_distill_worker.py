@@ -8,9 +8,11 @@ parallelism and ZeRO-3, one after another in the same pair of processes (one spa
   bit-identical to its checkpoint, outside the optimizer; that the sharded module's loss equals the one-process loss
   of the same weights; save a checkpoint, check it holds no teacher tensor, and resume from it.
 - ``tp``: fit 3 steps from the seed (the student built on the meta device and initialised rank by rank) and replay the
-  batches the fit saw on one process from the same seed built eagerly (no weights copied): the losses of each step.
-- ``zero3``: as ``fsdp``, the teacher partitioned by ``zero.Init``; the checkpoint's teacher fragments are counted
-  (DeepSpeed writes every frozen parameter into its files; docs/distillation.md says why they stay).
+  batches the fit saw on one process from the same seed built eagerly (no weights copied): the losses of each step,
+  and the widest logits chunk a rank computed (the vocabulary-parallel loss: ``V / tp``); then, for the forward and
+  the reverse KL, the student head's gradient of one batch against the gathered version's (one process, whole head).
+- ``zero3``: as ``fsdp``, the teacher partitioned by ``zero.Init``; the checkpoint's teacher tensors are counted (its
+  frozen fragments and module keys: none, the module is saved without its teacher).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from lightning_trainopt.transforms.distill_loss import distillation_loss
 
 STUDENT = GPTConfig(n_layers=2, d_model=32, n_heads=2, ffn_hidden=64, max_seq_len=16)
 TOKENS = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _data() -> DataLoader:
@@ -125,6 +131,7 @@ class _Losses(pl.Callback):
     def __init__(self) -> None:
         self.loss: list[float] = []
         self.ce: list[float] = []
+        self.width = 0  # the widest logits chunk of a step
         self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, i: int) -> None:
@@ -134,6 +141,42 @@ class _Losses(pl.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.loss.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
         self.ce.append(float(pl_module.head_loss.last.ce))
+        self.width = max(self.width, pl_module.head_loss.last.logits_width)
+
+
+def _tp_head_gradient(source: TeacherSource, module: DistillGPT, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """For the forward and the reverse KL: the student's head gradient of one batch under TP (vocabulary-parallel
+    loss, gathered afterwards) against the gathered version's: one process, the same (gathered) weights, whole head."""
+    state = {n: p.full_tensor().detach() for n, p in module.model.named_parameters()}
+    whole = _module(source)
+    whole.configure_model()
+    whole.load_teacher()
+    whole.model.load_state_dict(state, strict=False)
+    got: dict[str, Any] = {}
+    for kind in ("forward", "reverse"):
+        module.head_loss.kind = whole.head_loss.kind = kind
+        module.zero_grad(set_to_none=True)
+        loss, _ = module.batch_loss((x, y))
+        loss.backward()
+        head = module.model.lm_head.weight
+        assert isinstance(head, DTensor)
+        assert isinstance(head.grad, DTensor)
+        tp_grad = head.grad.full_tensor()
+        module.zero_grad(set_to_none=True)
+        whole.zero_grad(set_to_none=True)
+        want, _ = whole.batch_loss((x, y))
+        want.backward()
+        grad = whole.model.lm_head.weight.grad
+        assert grad is not None
+        got[kind] = {
+            "loss": float(loss.detach()),
+            "want_loss": float(want.detach()),
+            "head_grad_max_diff": float((tp_grad - grad).abs().max()),
+            "head_grad_max": float(grad.abs().max()),
+        }
+    module.head_loss.kind = "forward"
+    got["whole_logits_width"] = whole.head_loss.last.logits_width
+    return {"head_gradient": got}
 
 
 def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
@@ -146,6 +189,10 @@ def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
     saved = source.load_state()
     report: dict[str, Any] = {
         "student_dtensor": all(isinstance(p, DTensor) for p in module.model.parameters()),
+        # The teacher gets the student's plan: its head sharded over the vocabulary as the student's.
+        "teacher_head_placements": [str(p) for p in module.teacher.lm_head.weight.placements],
+        "teacher_local_fraction": sum(_local(p).numel() for p in module.teacher.parameters())
+        / sum(p.numel() for p in module.teacher.parameters()),
         "teacher_bit_identical": all(
             torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, saved[n])
             for n, p in module.teacher.named_parameters()
@@ -153,7 +200,10 @@ def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
         "teacher_frozen": all(not p.requires_grad and p.grad is None for p in module.teacher.parameters()),
         "tp_loss": losses.loss,
         "tp_ce": losses.ce,
+        "tp_logits_width": losses.width,
+        "vocab": module.model.lm_head.weight.shape[0],
     }
+    report.update(_tp_head_gradient(source, module, *losses.batches[0]))
     # One process, the same seed, the student built eagerly: the run tensor parallelism must reproduce.
     pl.seed_everything(0)
     ref = _module(source)
@@ -196,7 +246,8 @@ def zero3_case(source: TeacherSource, out: Path) -> dict[str, Any]:
     trainer.strategy.barrier()
     rank = torch.distributed.get_rank()
     files = sorted(ckpt.rglob(f"zero_pp_rank_{rank}_*model_states.pt"))
-    fragments = torch.load(files[0], map_location="cpu", weights_only=False).get("frozen_param_fragments") or {}
+    states = torch.load(files[0], map_location="cpu", weights_only=False)
+    fragments = states.get("frozen_param_fragments") or {}
     report = {
         "teacher_partitioned": all(hasattr(p, "ds_id") for _, p in params),
         "teacher_local_fraction": sum(p.ds_tensor.numel() for _, p in params) / sum(p.ds_numel for _, p in params),
@@ -209,6 +260,8 @@ def zero3_case(source: TeacherSource, out: Path) -> dict[str, Any]:
         "reference_loss": _reference_loss(source, student_state),
         "train_kl": float(trainer.callback_metrics["train/kl"]),
         "checkpoint_teacher_fragments": len([k for k in fragments if k.startswith("teacher.")]),
+        "checkpoint_teacher_module_keys": len([k for k in states["module"] if k.startswith("teacher.")]),
+        "checkpoint_student_module_keys": len([k for k in states["module"] if k.startswith("model.")]),
         "teacher_tensors": len(params),
     }
     _next_process_group()

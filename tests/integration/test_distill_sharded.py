@@ -59,12 +59,22 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
         # Tensor parallelism: the same seed, the batches the fit saw, replayed on one process from an eager build.
         t = report["tp"]
         assert t["student_dtensor"]
+        assert t["teacher_head_placements"] == ["S(0)"]  # the teacher split by the student's plan
+        assert t["teacher_local_fraction"] == pytest.approx(0.5, abs=0.02)
         assert t["teacher_bit_identical"]
         assert t["teacher_frozen"]
         assert len(t["tp_loss"]) == len(t["one_loss"]) == 3
         assert t["tp_loss"] == pytest.approx(t["one_loss"], abs=1e-4)
         assert t["tp_ce"] == pytest.approx(t["one_ce"], abs=1e-4)
         assert t["tp_loss"][0] != t["tp_loss"][-1]  # it trained
+        # The loss is vocabulary-parallel: no rank computed a logits chunk wider than its V / 2 rows.
+        assert t["tp_logits_width"] == t["vocab"] // 2
+        assert t["head_gradient"]["whole_logits_width"] == t["vocab"]
+        for kind in ("forward", "reverse"):
+            g = t["head_gradient"][kind]
+            assert g["loss"] == pytest.approx(g["want_loss"], abs=1e-4)
+            assert g["head_grad_max"] > 0
+            assert g["head_grad_max_diff"] <= 1e-4 * g["head_grad_max"]
 
         # ZeRO-3: the teacher partitioned by zero.Init (half of it per rank), frozen, outside DeepSpeed's optimizer.
         z = report["zero3"]
@@ -77,8 +87,10 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
         assert z["student_in_optimizer"]
         assert z["sharded_loss"] == pytest.approx(z["reference_loss"], rel=1e-5)
         assert z["train_kl"] > 0
-        # DeepSpeed writes every frozen parameter into its files (exclude_frozen_parameters would drop a LoRA base
-        # too; docs/distillation.md): the teacher's fragments are there, and the resume reads it from its source.
-        assert z["checkpoint_teacher_fragments"] == z["teacher_tensors"]
+        # The module is saved without its teacher: neither its module keys nor its frozen fragments are in
+        # DeepSpeed's files; the resume loads the student alone and reads the teacher from its source.
+        assert z["checkpoint_teacher_fragments"] == 0
+        assert z["checkpoint_teacher_module_keys"] == 0
+        assert z["checkpoint_student_module_keys"] > 0
         assert z["resumed_step"] == 3
         assert z["resumed_teacher_bit_identical"]

@@ -25,7 +25,8 @@ for tests/unit/parallel/test_tp.py:
 * ``fit``: a Lightning fit with ``TrainOptTPStrategy`` (built on the meta device): ParallelDims, the sampler's
   sharding, the batches read, the logged losses, and the global gradient norm Lightning clipped to;
 * ``lora`` (4 processes): ``adapter=lora`` under TP 2 x FSDP2 2 (and HSDP 2 x 1) against a one-process replay
-  (:func:`lora`).
+  (:func:`lora`);
+* ``distill`` (4 processes): ``experiment=distill`` under TP 2 x FSDP2 2 (:func:`distill`).
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node=N tests/unit/parallel/_tp_worker.py OUT_DIR
 
@@ -561,6 +562,60 @@ def fit(dims: ParallelDims) -> dict[str, Any]:
     return probe.seen
 
 
+def distill(out: Path) -> dict[str, Any]:
+    """``experiment=distill`` under ``+strategy=fsdp_tp`` (TP 2 x FSDP2 2): a Lightning fit of a GPT student with a
+    GPT teacher (tests/integration/_distill_worker.py's shapes), then the teacher's placement (TP's plan, then FSDP2's
+    shards: a quarter of it per rank), whether it is frozen, outside the optimizer and bit-identical to its
+    checkpoint, and the sharded module's loss of one batch against the one-process loss of the same weights."""
+    from dataclasses import asdict
+
+    from lightning_trainopt.checkpoint.teacher import teacher_source
+    from lightning_trainopt.models.distill import DistillGPT, DistillSpec
+    from tests.integration._distill_worker import TOKENS, _data, _reference_loss
+
+    path = out / "teacher.ckpt"
+    if dist.get_rank() == 0:
+        torch.manual_seed(1)
+        shape = GPTConfig(n_layers=2, d_model=48, n_heads=2, ffn_hidden=96, max_seq_len=16)
+        state = {f"model.{k}": v for k, v in GPT(shape).state_dict().items()}
+        torch.save({"state_dict": state, "hyper_parameters": {"model": asdict(shape)}}, path)
+    dist.barrier()
+    source = teacher_source(str(path))
+    student = GPTConfig(n_layers=2, d_model=32, n_heads=2, ffn_hidden=64, max_seq_len=16)
+    spec = DistillSpec(source.path, alpha=0.5, temperature=2.0, chunk_tokens=5)
+    module = DistillGPT(student, source, spec)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, strategy=TrainOptTPStrategy(tensor_parallel_size=2), max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer.fit(module, train_dataloaders=_data())
+    teacher = module.teacher
+    assert teacher is not None
+    saved = source.load_state()
+    optimized = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    with torch.no_grad():
+        loss, _ = module.batch_loss((TOKENS[:2, :-1], TOKENS[:2, 1:]))
+        width = module.head_loss.last.logits_width
+        student_state = {n: _whole(p).detach() for n, p in module.model.named_parameters()}
+    head = teacher.lm_head.weight
+    return {
+        "teacher_head_mesh": list(head.device_mesh.mesh_dim_names or ()),
+        "teacher_head_placements": [str(p) for p in head.placements],
+        "teacher_local_fraction": sum(p.to_local().numel() for p in teacher.parameters())
+        / sum(p.numel() for p in teacher.parameters()),
+        "teacher_bit_identical": all(torch.equal(_whole(p), saved[n]) for n, p in teacher.named_parameters()),
+        "teacher_frozen": all(not p.requires_grad and p.grad is None for p in teacher.parameters()),
+        "teacher_eval": not teacher.training,
+        "teacher_in_optimizer": any(id(p) in optimized for p in teacher.parameters()),
+        "sharded_loss": float(loss),
+        "reference_loss": _reference_loss(source, student_state),
+        "logits_width": width,
+        "vocab": head.shape[0],
+        "train_kl": float(trainer.callback_metrics["train/kl"]),
+    }
+
+
 def fp8_nccl(rank: int) -> dict[str, Any]:
     """FP8 with sequence parallelism on GPUs (NCCL all-gathers float8): TP 2 against the same FP8 model on one GPU,
     real FP8 GEMMs, sizes torch._scaled_mm takes (multiples of 16 on each rank's shard)."""
@@ -615,6 +670,8 @@ def main(out: Path) -> None:
     seen["chunked"] = chunked(dims)
     seen["chunked_hf"] = chunked(dims, "hf")
     seen["fit"] = fit(dims)
+    if world == 4:
+        seen["distill"] = distill(out)
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
 
 

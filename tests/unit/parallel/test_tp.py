@@ -4,8 +4,8 @@ The 4-process run (``_tp_worker.py``, one process group for all of it) trains ou
 with TP 2 x FSDP2 2 against a whole model on the same global batch (what DDP computes), builds both on the meta device
 (and a pretrained Llama slice by slice) under TP 2 x FSDP2 2 against whole builds, and fits a LitGPT with
 ``TrainOptTPStrategy`` on the HSDP mesh (2 replicas x 1 shard x TP 2), and walks the OK cells of the ``tp`` and
-``fsdp_tp`` columns of the technique x strategy table. TP alone on 2 processes through the app (``+strategy=tp``) is
-tests/integration/test_tensor_parallel_app.py.
+``fsdp_tp`` columns of the technique x strategy table, and distils a GPT student from a GPT teacher under TP 2 x
+FSDP2 2. TP alone on 2 processes through the app (``+strategy=tp``) is tests/integration/test_tensor_parallel_app.py.
 """
 
 from __future__ import annotations
@@ -430,3 +430,33 @@ def test_fp8_with_sequence_parallelism_on_two_gpus_matches_the_fp8_model(tmp_pat
         assert got["float8_mms"] > 0
         assert got["loss"] == pytest.approx(got["want"], rel=1e-2)  # real FP8 GEMMs, bf16 partial sums
         assert got["grad_error"] < 0.05
+
+
+@pytest.mark.slow
+def test_distillation_under_tp_and_fsdp2_shards_the_teacher_like_the_student(ranks):
+    """experiment=distill under +strategy=fsdp_tp (TP 2 x FSDP2 2): the teacher gets the student's TP plan and
+    FSDP2's shards, stays frozen and bit-identical, and the loss (vocabulary-parallel) equals one process's."""
+    for seen in ranks:
+        got = seen["distill"]
+        assert got["teacher_head_mesh"] == ["data_parallel", "tensor_parallel"]
+        assert got["teacher_head_placements"][-1] == "S(0)"  # sharded over the vocabulary on the TP dimension
+        assert got["teacher_local_fraction"] == pytest.approx(0.25, abs=0.01)
+        assert got["teacher_bit_identical"]
+        assert got["teacher_frozen"]
+        assert got["teacher_eval"]
+        assert not got["teacher_in_optimizer"]
+        assert got["sharded_loss"] == pytest.approx(got["reference_loss"], rel=1e-5)
+        assert got["logits_width"] == got["vocab"] // 2
+        assert got["train_kl"] > 0
+
+
+def test_a_teacher_the_tp_size_cannot_split_is_refused_naming_the_teacher():
+    """The TP step gives a distillation teacher the student's plan: a teacher with 3 heads under TP 2 is refused
+    (naming distill.teacher and what does not divide), before anything is split."""
+    from lightning_trainopt.parallel.apply import _tensor_parallel_teacher
+
+    holder = torch.nn.Module()
+    holder.teacher = GPT(GPTConfig(name="t3", vocab_size=64, n_layers=1, d_model=48, n_heads=3, max_seq_len=16))
+    with pytest.raises(IncompatibleConfigError, match=r"distill\.teacher.*heads") as err:
+        _tensor_parallel_teacher(holder, _Mesh(2), sequence_parallel=True)
+    assert err.value.keys["strategy.tensor_parallel_size"] == 2

@@ -203,6 +203,9 @@ def test_a_teacher_is_sharded_like_the_student_and_keeps_no_grads():
     assert whole.bytes("params") == 2 * teacher.n_params
     assert fsdp.bytes("params") == pytest.approx(teacher.n_params, rel=0.01)
     assert host.bytes("params") == 0 < host.bytes("params", "cpu")
+    # Under TP 2 x FSDP2 2 the teacher gets the student's TP plan too: a quarter of it per rank.
+    fsdp_tp = teacher_terms(teacher, 2, StrategyLayout(name="fsdp_tp", kind="fsdp"), 2, tokens, tensor_parallel=2)
+    assert fsdp_tp.bytes("params") == pytest.approx(teacher.n_params / 2, rel=0.01)
     for est in (whole, fsdp):
         assert est.bytes("grads") == est.bytes("optimizer_states") == 0
         assert est.bytes("activations") == 2 * tokens * TINY.d_model  # its last hidden states only
