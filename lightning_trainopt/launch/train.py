@@ -245,11 +245,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ckpt_path = resolve_ckpt_path(run.checkpointing.ckpt_path, run_dir)
     if ckpt_path is not None:
         from lightning_trainopt.checkpoint.resume_check import check_resume
+        from lightning_trainopt.checkpoint.resume_match import check_resume_matches
 
         kept = finished_run(run.trainer.options, ckpt_path, run_dir)
         if kept is not None:
             return kept
         check_resume(ckpt_path, run.data.fixed_batch_size, dims.dp if dims is not None else None)
+        check_resume_matches(ckpt_path, run.adapter, run.model.node, run.launch.seed, run.model.distill)
     pl.seed_everything(run.launch.seed, workers=True, verbose=False)
 
     precision = run.precision
