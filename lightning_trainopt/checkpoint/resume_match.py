@@ -55,7 +55,8 @@ def _check_adapter(ckpt_path: str, record: Any, adapter: AdapterSpec) -> None:
                 "weights exported with trainopt-export --format hf and given as model=hf model.pretrained=DIR.",
             )
         return
-    saved = record.get("spec") if isinstance(record.get("spec"), Mapping) else {}
+    spec = record.get("spec")
+    saved: Mapping[str, Any] = spec if isinstance(spec, Mapping) else {}
     if not adapter.enabled:
         raise ConfigError(
             "adapter",
@@ -79,7 +80,8 @@ def _check_adapter(ckpt_path: str, record: Any, adapter: AdapterSpec) -> None:
 def _check_base(ckpt_path: str, record: Any, model: Mapping[str, Any], seed: int | None) -> None:
     if not isinstance(record, Mapping):
         return
-    rebuild = record.get("rebuild") if isinstance(record.get("rebuild"), Mapping) else {}
+    recorded = record.get("rebuild")
+    rebuild: Mapping[str, Any] = recorded if isinstance(recorded, Mapping) else {}
     saved = rebuild.get("model")
     if not isinstance(saved, Mapping):  # a user's LightningModule: the base's hash on load is the check
         return
