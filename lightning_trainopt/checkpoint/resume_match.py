@@ -69,11 +69,13 @@ def _check_adapter(ckpt_path: str, record: Any, adapter: AdapterSpec) -> None:
     current = describe(adapter)
     for field in fields:
         if field in saved and not _same(field, saved[field], current[field]):
+            # The kind is chosen with the config group (adapter=lora), the rest with its keys.
+            fix = f"adapter={saved[field]}" if field == "kind" else f"adapter.{field}={saved[field]!r}"
             raise ConfigError(
                 f"adapter.{field}",
                 current[field],
-                f"ckpt_path={ckpt_path} was trained with adapter.{field}={saved[field]!r}; resume with "
-                f"adapter.{field}={saved[field]!r}, {_NEW_RUN}.",
+                f"ckpt_path={ckpt_path} was trained with adapter.{field}={saved[field]!r}; resume with {fix}, "
+                f"{_NEW_RUN}.",
             )
 
 

@@ -101,7 +101,7 @@ def test_a_truncated_last_ckpt_is_named_or_skipped_and_the_crashed_run_resumes_a
     [
         ("adapter.r=8", "adapter.r", "adapter.r=16"),
         ("adapter.alpha=8", "adapter.alpha", "adapter.alpha=32"),
-        ("adapter=qlora", "adapter.kind", "adapter.kind='lora'"),
+        ("adapter=qlora", "adapter.kind", "resume with adapter=lora,"),
         ("adapter=none", "adapter", "resume with adapter=lora"),
         ("model.d_model=32", "model.d_model", "model.d_model=64"),
         ("model.n_layers=3", "model.n_layers", "model.n_layers=2"),
