@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "ConfigKeysError",
+    "ExportWriteError",
     "IncompatibleConfigError",
     "MissingDependencyError",
     "RunDirLockedError",
@@ -143,6 +144,26 @@ class CheckpointWriteError(TrainOptError, RuntimeError):
             f"could not write checkpoint {path}: {reason}. The partial write was removed and the earlier checkpoints "
             "are kept. Free space there (or set callbacks.model_checkpoint.dirpath to another disk), then resume "
             "with ckpt_path=last."
+        )
+
+
+class ExportWriteError(TrainOptError, RuntimeError):
+    """``trainopt-export`` could not write its output (a full disk, a quota, an I/O error).
+
+    The export is written into a hidden folder beside ``--out`` and renamed into place only when complete, so the
+    failed one is removed and nothing is left at ``--out`` that ``from_pretrained`` could take for a whole model.
+
+    Args:
+        path: the ``--out`` directory.
+        reason: what went wrong, one line (e.g. ``No space left on device (ENOSPC)``).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(
+            f"could not write --out={path}: {reason}. The partial export was removed; nothing was left at {path}. "
+            "Free space there (or give --out on another disk), then export again."
         )
 
 

@@ -86,6 +86,17 @@ def restore_frozen_base(module: Any, checkpoint: dict[str, Any]) -> None:
     rebuilt = _base_hash(module)
     if rebuilt != record.get("base_sha256"):
         rebuild = record.get("rebuild", {})
+        pretrained = (rebuild.get("model") or {}).get("pretrained")
+        if pretrained:
+            # The config matched (train.py checks it before building): the files under the directory changed.
+            raise ConfigError(
+                "model.pretrained",
+                pretrained,
+                "its weights are not the frozen base this checkpoint's adapters were trained on (SHA-256 of the "
+                f"base {str(record.get('base_sha256'))[:12]}..., rebuilt {rebuilt[:12]}...: the files there were "
+                "replaced or retrained since); put the original weights back there, or start a new run "
+                "(ckpt_path=null).",
+            )
         raise ConfigError(
             "ckpt_path",
             "(this checkpoint)",

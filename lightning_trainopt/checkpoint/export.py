@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,8 @@ from lightning_trainopt.checkpoint.export_source import (
     recorded_adapter,
     resolve_checkpoint,
 )
-from lightning_trainopt.exceptions import ConfigError, TrainOptError
+from lightning_trainopt.checkpoint.files import write_directory_atomic
+from lightning_trainopt.exceptions import CheckpointWriteError, ConfigError, ExportWriteError, TrainOptError
 
 __all__ = ["DTYPES", "FORMATS", "ExportReport", "dequantize_4bit_state", "export_checkpoint", "main", "merge_lora"]
 
@@ -376,9 +378,9 @@ def export_checkpoint(
             "adapter's delta, not the weights before quantization.",
             stacklevel=2,
         )
-    out.mkdir(parents=True, exist_ok=True)
     if format == "peft":
-        written = _write_peft(out, pairs, config, target)
+        written = len(pairs) * 2
+        _write_atomic(out, lambda staging: _write_peft(staging, pairs, config, target))
     else:
         model = _reference_model(shape)
         if model is not None:
@@ -392,10 +394,25 @@ def export_checkpoint(
         merged = {k: v.to(target) if v.is_floating_point() else v for k, v in merged.items()}
         written = len(merged)
         if format == "state_dict":
-            torch.save(merged, out / "state_dict.pt")
+            _write_atomic(out, lambda staging: torch.save(merged, staging / "state_dict.pt"))
         else:
-            _write_hf(out, model, shape, merged, target)
+            _write_atomic(out, lambda staging: _write_hf(staging, model, shape, merged, target))
     return ExportReport(path, format, out, len(pairs), len(dequantized), target, written)
+
+
+def _write_atomic(out: Path, write: Callable[[Path], Any]) -> None:
+    """``write`` the export into a hidden folder beside ``out``, renamed to ``out`` only once complete.
+
+    A full disk half-way through a Hugging Face directory would otherwise leave a config.json beside a short
+    safetensors file, which ``from_pretrained`` would take for a model until it reads the weights.
+
+    Raises:
+        ExportWriteError: the write failed (ENOSPC, EDQUOT, EIO, ...); nothing is left at ``out``.
+    """
+    try:
+        write_directory_atomic(out, write)
+    except CheckpointWriteError as err:
+        raise ExportWriteError(os.fspath(out), err.reason) from err
 
 
 def main(argv: list[str] | None = None) -> None:

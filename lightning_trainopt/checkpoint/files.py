@@ -30,6 +30,7 @@ __all__ = [
     "recover_interrupted_writes",
     "save_directory_checkpoint",
     "staging_path",
+    "write_directory_atomic",
     "write_file_atomic",
     "write_text_atomic",
     "write_manifest",
@@ -186,7 +187,9 @@ def _translate(path: str | os.PathLike[str], err: BaseException, where: str | os
     cause = cause_of_type(err, OSError)
     if cause is not None:
         return _write_error(path, cause)
-    if _disk_full(where):
+    # safetensors (Rust) raises its own error, "I/O error: No space left on device (os error 28)", and may have
+    # removed its partial file already, so the filesystem need not look full any more.
+    if _disk_full(where) or "No space left on device" in str(err):
         return CheckpointWriteError(os.fspath(path), "No space left on device (ENOSPC: the filesystem is full)")
     return err
 
@@ -232,6 +235,36 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         OSError: the write failed; ``path`` keeps its previous content.
     """
     _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def write_directory_atomic(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
+    """Write a directory with ``write(staging)`` into a staging directory beside ``path``, fsync it, rename it in.
+
+    For one process's directory output (an exported model): a reader of ``path`` sees nothing, or all of it. An
+    empty directory at ``path`` is replaced.
+
+    Raises:
+        CheckpointWriteError: the write failed with an ``OSError``, or on a full filesystem (ENOSPC); the staging
+            directory is removed and whatever was at ``path`` before is kept.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(staging_path(final))
+    try:
+        staging.mkdir()
+        write(staging)
+        _fsync_tree(staging)
+        commit_staged(staging, final)
+    except Exception as err:
+        # safetensors and torch.save report a full disk as their own errors, without an errno: see _translate.
+        error = _translate(final, err, final.parent)
+        discard_staged(staging)
+        if error is err:
+            raise
+        raise error from err
+    except BaseException:
+        discard_staged(staging)
+        raise
 
 
 def save_directory_checkpoint(strategy: Any, filepath: str | os.PathLike[str], write: Callable[[str], None]) -> None:

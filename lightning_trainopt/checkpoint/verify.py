@@ -21,6 +21,7 @@ from lightning_trainopt.exceptions import ConfigError
 
 __all__ = [
     "auto_resume_checkpoint",
+    "checkpoint_dir",
     "checkpoint_problem",
     "newest_complete_checkpoint",
     "read_checkpoint_state",
@@ -97,6 +98,25 @@ def verify_checkpoint(path: str | os.PathLike[str], key: str = "ckpt_path") -> N
     problem = checkpoint_problem(path)
     if problem is not None:
         raise ConfigError(key, os.fspath(path), f"{problem}; {_FIX}")
+
+
+def checkpoint_dir(callbacks: Mapping[str, Any], run_dir: Path) -> Path:
+    """Where ``ckpt_path=last|auto`` looks: the ``dirpath`` of the run's checkpoint callback, else
+    ``<run_dir>/checkpoints``.
+
+    A run whose disk filled is told to set ``callbacks.model_checkpoint.dirpath`` to another disk and resume with
+    ``ckpt_path=last``; that resume must look where its checkpoints now are.
+
+    Args:
+        callbacks: the ``callbacks`` group, ``name: node`` with interpolations resolved.
+        run_dir: the run directory.
+    """
+    for node in callbacks.values():
+        target = node.get("_target_") if isinstance(node, Mapping) else None
+        dirpath = node.get("dirpath") if isinstance(node, Mapping) else None
+        if isinstance(target, str) and target.endswith("Checkpoint") and isinstance(dirpath, str) and dirpath:
+            return Path(dirpath).expanduser()
+    return run_dir / "checkpoints"
 
 
 def _candidates(ckpt_dir: Path) -> list[Path]:

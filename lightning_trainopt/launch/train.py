@@ -27,6 +27,7 @@ from lightning_trainopt.callbacks import NonFiniteGuard, PrecisionReport, Resuma
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.checkpoint.files import write_text_atomic
 from lightning_trainopt.checkpoint.io import use_atomic_checkpoint_io
+from lightning_trainopt.checkpoint.verify import checkpoint_dir
 from lightning_trainopt.config.build import build_run, config_runs_on_cpu, micro_batch, read_run, trainer_kwargs
 from lightning_trainopt.config.model_factory import count_params, count_trainable_params
 from lightning_trainopt.config.run_spec import DataSpec, LaunchSpec, RunSpec
@@ -72,9 +73,10 @@ def _callbacks(trainer: pl.Trainer) -> list[Callback]:
     return trainer.callbacks  # type: ignore[attr-defined]
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """A checkpoint path as given; ``last``: the newest complete checkpoint under ``<run_dir>/checkpoints``;
-    ``auto``: the same when there is one, else ``None`` (start the run; the one command a pre-emptible job repeats).
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path, ckpt_dir: Path | None = None) -> str | None:
+    """A checkpoint path as given; ``last``: the newest complete checkpoint under ``ckpt_dir`` (the checkpoint
+    callback's ``dirpath``; default ``<run_dir>/checkpoints``); ``auto``: the same when there is one, else ``None``
+    (start the run; the one command a pre-emptible job repeats).
 
     Either way the checkpoint is checked to be complete (its zip directory, or a directory checkpoint's manifest);
     ``last`` and ``auto`` skip newer incomplete ones with a warning naming them.
@@ -90,11 +92,12 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 
     if ckpt_path is None:
         return None
+    ckpt_dir = ckpt_dir or run_dir / "checkpoints"
     if ckpt_path == "last":
-        return newest_complete_checkpoint(run_dir / "checkpoints")
+        return newest_complete_checkpoint(ckpt_dir)
     if ckpt_path == "auto":
         # Under SLURM, Lightning's requeue checkpoint (hpc_ckpt_<n>.ckpt in the run directory) counts too.
-        return newest_resume_point(auto_resume_checkpoint(run_dir / "checkpoints"), run_dir)
+        return newest_resume_point(auto_resume_checkpoint(ckpt_dir), run_dir)
     if not Path(ckpt_path).exists():
         raise ConfigError(
             "ckpt_path", ckpt_path, "the checkpoint does not exist; give an existing path, 'last' or 'auto'."
@@ -242,14 +245,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     dims = run.parallelism.dims
 
     run_dir = output_dir(run.launch)
-    ckpt_path = resolve_ckpt_path(run.checkpointing.ckpt_path, run_dir)
+    ckpt_path = resolve_ckpt_path(run.checkpointing.ckpt_path, run_dir, checkpoint_dir(run.callbacks.nodes, run_dir))
     if ckpt_path is not None:
         from lightning_trainopt.checkpoint.resume_check import check_resume
+        from lightning_trainopt.checkpoint.resume_match import check_resume_matches
 
         kept = finished_run(run.trainer.options, ckpt_path, run_dir)
         if kept is not None:
             return kept
         check_resume(ckpt_path, run.data.fixed_batch_size, dims.dp if dims is not None else None)
+        check_resume_matches(ckpt_path, run.adapter, run.model.node, run.launch.seed, run.model.distill)
     pl.seed_everything(run.launch.seed, workers=True, verbose=False)
 
     precision = run.precision

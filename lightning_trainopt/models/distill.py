@@ -44,10 +44,11 @@ from lightning_trainopt.models.optimization import strategy_answers
 from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, forward_replaced, head_weight
 from lightning_trainopt.transforms.distill_loss import DistillHeadLoss, TeacherOutputs, check_distill_args
 
-__all__ = ["DistillCausalLM", "DistillGPT", "DistillSpec", "TeacherSource", "load_full_state"]
+__all__ = ["TEACHER_RECORD", "DistillCausalLM", "DistillGPT", "DistillSpec", "TeacherSource", "load_full_state"]
 
 _TEACHER = "teacher."
-_RECORD = "distill_teacher"
+#: The checkpoint entry where a distilled student records its teacher (path and fingerprint).
+TEACHER_RECORD = "distill_teacher"
 
 
 @dataclass(frozen=True)
@@ -315,10 +316,10 @@ class _Distillation:
         if isinstance(state, dict):
             for key in [k for k in state if k.startswith(_TEACHER)]:
                 del state[key]
-        checkpoint[_RECORD] = {"path": self.distill_source.path, "fingerprint": self.distill_source.fingerprint}
+        checkpoint[TEACHER_RECORD] = {"path": self.distill_source.path, "fingerprint": self.distill_source.fingerprint}
 
     def _load_with_teacher(self, checkpoint: dict[str, Any]) -> None:
-        record = checkpoint.get(_RECORD)
+        record = checkpoint.get(TEACHER_RECORD)
         if record is not None and record.get("fingerprint") != self.distill_source.fingerprint:
             raise ConfigError(
                 "distill.teacher",

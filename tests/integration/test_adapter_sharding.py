@@ -148,6 +148,20 @@ def test_trainopt_export_of_the_run_gives_the_adapter_models_logits(results: dic
         assert (base(PROBE) - want).abs().max() > 1e-3  # the trained adapter does change the outputs
         adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
         torch.testing.assert_close(adapted.base_model.model(PROBE), want, atol=1e-5, rtol=0)
+    # train.py's check before a resume reads the adapter's record from the directory's state file (DeepSpeed's model
+    # states, FSDP2's meta.pt): the worker's own settings pass, another rank is refused.
+    from dataclasses import asdict
+
+    from lightning_trainopt.checkpoint.resume_match import check_resume_matches
+    from lightning_trainopt.exceptions import ConfigError
+    from lightning_trainopt.models import GPTConfig
+    from lightning_trainopt.transforms.adapters import AdapterSpec
+
+    ckpt = os.fspath(resolve_checkpoint(run_dir))
+    model = asdict(GPTConfig(**hyper["model"]))
+    check_resume_matches(ckpt, AdapterSpec(kind="lora", r=4, alpha=8, dropout=0.0), model, 7, None)
+    with pytest.raises(ConfigError, match="adapter.r=4"):
+        check_resume_matches(ckpt, AdapterSpec(kind="lora", r=8, alpha=8, dropout=0.0), model, 7, None)
 
 
 @pytest.mark.parametrize("case", CASES)
