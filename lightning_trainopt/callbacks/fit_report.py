@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_trainopt.callbacks._summary_table import callback_summaries, print_summary
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.adapter_accounting import param_count
 
 __all__ = ["FitReport"]
 
@@ -26,8 +27,9 @@ def _scalar(value: Any) -> float | None:
 
 
 def _n_params(module: pl.LightningModule) -> int:
-    """Every parameter's full size, also when a sharding engine holds only a slice of it (ZeRO-3 ``ds_numel``)."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+    """Every parameter's full size, also when a sharding engine holds only a slice of it (ZeRO-3 ``ds_numel``) or
+    QLoRA packs it in 4 bits."""
+    return sum(param_count(p) for p in module.parameters())
 
 
 class FitReport(Callback):

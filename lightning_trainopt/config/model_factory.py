@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from lightning_trainopt.config.model_kind import ModelKind, model_kind
 from lightning_trainopt.config.run_spec import ModelSpec, OptimizerSpec, model_spec, optimizer_spec
 from lightning_trainopt.exceptions import ConfigError
+from lightning_trainopt.metrics.adapter_accounting import param_count
 from lightning_trainopt.models import HFModelConfig, LitCausalLM, LitGPT
 from lightning_trainopt.models.config import GPTConfig
 from lightning_trainopt.models.optimization import configure_optimizers
@@ -153,14 +154,14 @@ def count_params(module: torch.nn.Module) -> int:
     """The model's true parameter count: each tensor once (tied weights too), whole under sharding.
 
     DeepSpeed ZeRO-3 leaves a partitioned placeholder whose true count is ``ds_numel``; an FSDP2 ``DTensor``'s
-    ``numel()`` is already the whole tensor's.
+    ``numel()`` is already the whole tensor's; a QLoRA 4-bit weight counts its original shape, not its packed storage.
     """
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+    return sum(param_count(p) for p in module.parameters())
 
 
 def count_trainable_params(module: torch.nn.Module) -> int:
     """The parameters that get gradients (with an adapter: the adapters only), counted as :func:`count_params` does."""
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters() if p.requires_grad)
+    return sum(param_count(p) for p in module.parameters() if p.requires_grad)
 
 
 def model_name(preset: str | None, module: torch.nn.Module) -> str:

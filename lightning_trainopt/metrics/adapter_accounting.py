@@ -21,7 +21,7 @@ import torch
 
 from lightning_trainopt.metrics.memory_accounting import tensor_leaves
 
-__all__ = ["ADAPTER_ROWS", "adapter_breakdown", "has_frozen_params"]
+__all__ = ["ADAPTER_ROWS", "adapter_breakdown", "has_frozen_params", "param_count"]
 
 #: The rows :func:`adapter_breakdown` returns, in the order reports print them.
 ADAPTER_ROWS = (
@@ -37,6 +37,19 @@ ADAPTER_ROWS = (
 def has_frozen_params(module: torch.nn.Module) -> bool:
     """Whether some parameter of ``module`` is frozen (an adapter's base, a teacher): the rows apply."""
     return any(not p.requires_grad for p in module.parameters())
+
+
+def param_count(param: torch.Tensor) -> int:
+    """The number of weights ``param`` stands for, whole: ZeRO-3's ``ds_numel`` for a partitioned placeholder, the
+    original shape's for a 4-bit weight (its storage packs several weights an element: 4 into a bf16, 2 into a
+    uint8), else ``numel()`` (an FSDP2 ``DTensor``'s is already the whole tensor's)."""
+    ds_numel = getattr(param, "ds_numel", None)
+    if ds_numel is not None:
+        return int(ds_numel)
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    if shape is not None:
+        return int(torch.Size(shape).numel())
+    return int(param.numel())
 
 
 def _quant_state_tensors(state: Any) -> Iterator[torch.Tensor]:

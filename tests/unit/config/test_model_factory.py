@@ -210,3 +210,17 @@ def test_a_module_whose_vocabulary_the_data_outgrows_is_refused_before_training(
     assert err.value.key == "model.vocab_size"
     assert err.value.value == 100
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_qlora_counts_each_4bit_weight_once_not_its_packed_storage():
+    # A QLoRA base packs 4 weights into each bf16 element: metrics.json's n_params (and the summary's "parameters")
+    # read 72,000 for a 2-layer d_model=64 gpt_tiny whose base plus adapters hold 133,440 (found by review).
+    pytest.importorskip("bitsandbytes")
+    from lightning_trainopt.transforms.adapters import AdapterSpec, apply_adapter
+
+    overrides = ["model.n_layers=2", "model.d_model=64", "model.ffn_hidden=128"]
+    lora, qlora = (build_lightning_module(compose_config(overrides)) for _ in range(2))
+    for module, kind in ((lora, "lora"), (qlora, "qlora")):
+        module.configure_model()
+        apply_adapter(module, AdapterSpec(kind=kind))
+    assert count_params(qlora) == count_params(lora) == module.config.n_params() + 34_816  # r=16 on 14 layers
