@@ -141,9 +141,32 @@ def _copy_value(value: Any, memo: dict[int, Any]) -> Any:
         return value
 
 
+def _dequantized_linear(module: nn.Module) -> nn.Linear | None:
+    """A meta ``nn.Linear`` in place of a 4-bit linear layer (bitsandbytes' ``Linear4bit``, an ``nn.Linear`` whose
+    weight's ``quant_state`` holds the original shape), else ``None``.
+
+    The packed weight cannot run on the meta device (dequantizing reads its quantization state's values), and its
+    matmul is the original shape's: the dequantization is elementwise, so the FLOPs are the plain layer's.
+    """
+    if not isinstance(module, nn.Linear):
+        return None
+    state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    if shape is None:
+        return None
+    out_features, in_features = tuple(shape)
+    dtype = getattr(module, "compute_dtype", None) or torch.float32
+    bias = module.bias is not None
+    return nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype).requires_grad_(False)
+
+
 def _clone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     if id(module) in memo:  # a module reached twice (weight sharing) stays one module
         return memo[id(module)]
+    dequantized = _dequantized_linear(module)
+    if dequantized is not None:
+        memo[id(module)] = dequantized
+        return dequantized
     cls = _unwrapped_class(type(module))
     new = cls.__new__(cls)
     memo[id(module)] = new
@@ -170,7 +193,8 @@ def meta_copy(module: nn.Module, share: tuple[Any, ...] = ()) -> nn.Module:
     them (DeepSpeed's fetch trace broke the real step afterwards: ``IndexError: pop from an empty deque``); hooks
     compute no matrix product, so the FLOPs stay the model's. Parameters take their full shape (a ZeRO-3 placeholder
     its ``ds_shape``, an FSDP2 or tensor-parallel DTensor its global shape) and FSDP2's ``FSDP<Name>`` classes go
-    back to their own. Objects in ``share`` (e.g. a LightningModule's Trainer), and attributes that refuse to be
+    back to their own; a 4-bit linear layer (QLoRA) becomes a plain one of its original shape. Objects in ``share``
+    (e.g. a LightningModule's Trainer), and attributes that refuse to be
     copied, are referenced by the copy, not copied.
     """
     memo: dict[int, Any] = {id(obj): obj for obj in share}

@@ -79,3 +79,24 @@ def test_an_fsdp2_sharded_model_is_counted_as_the_whole_model(tmp_path):
     assert all(isinstance(m, FSDPModule) for m in (model, *model.blocks))  # the original is untouched
     sharded = fit_seq_flops(model, batch, samples=2, seq_len=8)
     assert (sharded.per_token, sharded.per_token_squared) == (whole.per_token, whole.per_token_squared)
+
+
+def test_a_qlora_model_is_counted_as_its_lora_twin():
+    # A Hugging Face model under adapter=qlora left SpeedMonitor without FLOPs ("Tensor.item() cannot be called on
+    # meta tensors", then "quant_state is required"): bitsandbytes' 4-bit layers cannot run on the meta device.
+    import pytest
+
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    from lightning_trainopt.transforms.adapters import AdapterSpec, apply_adapter
+    from tests.helpers.hf_files import _config
+
+    counts = []
+    for kind in ("lora", "qlora"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_config("llama", 64))
+        apply_adapter(model, AdapterSpec(kind=kind))
+        counts.append(count_flops(model, torch.zeros(2, 16, dtype=torch.long)))
+    assert counts[0] > 0
+    assert counts[1] == counts[0]
