@@ -375,7 +375,11 @@ def _quantize_4bit(model: nn.Module, targets: tuple[str, ...], spec: AdapterSpec
             quant_storage=_DTYPES[spec.quant_storage],
         )
         if bias is not None:
-            new.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+            # In the compute dtype: bitsandbytes' forward casts the bias to it in place at the first call, which
+            # changed the frozen base after its hash was taken, so a GPT-2/Qwen2 (biased) QLoRA run could be neither
+            # resumed nor exported ("SHA-256 differs"). Stored so from the start, the rebuilt base is the trained one.
+            bias_data = bias.detach().to(_DTYPES[spec.compute_dtype]).clone()
+            new.bias = nn.Parameter(bias_data, requires_grad=False)
         # Off: in eval on an AVX512-BF16 CPU, bitsandbytes repacks the weight and its quantization state in place for
         # its CPU kernel (and back when the state dict is read, not bit for bit), so a validation pass would change
         # the frozen base that a resume checks by hash (that kernel also fails on layers narrower than 64 inputs).
