@@ -233,3 +233,18 @@ def test_under_tp_the_adapters_saved_tensors_are_split_once():
         return sum(t.nbytes for t in est.memory.terms if t.label.startswith("adapters: saved lora_A"))
 
     assert saved(2) == pytest.approx(saved(1) / 2, rel=0.01)
+
+
+def test_cpu_adam_under_offload_steps_only_the_adapters() -> None:
+    # plan.py's 70B QLoRA command (docs/adapters.md) charged "CPU AdamW (fused): 35,276,853,248 x 2 ranks": the whole
+    # model's parameters, though the optimizer holds the adapters alone (found by review).
+    from lightning_trainopt.planner.offload_time import Bandwidths
+
+    lay = StrategyLayout(name="fsdp_offload", kind="fsdp", offload_params="cpu", offload_optimizer="cpu")
+    plan = gpt_adapter_plan(TINY, "qlora", 8)
+    bw = Bandwidths(cpu_adam_params_per_s=1e6)
+    ad = estimate_plan(
+        PlanInputs(TINY, layout=lay, devices=2, seq_len=64, adapter=plan), None, 1e12, None, bandwidths=bw
+    )
+    seconds = ad.speed.overhead.serial["CPU AdamW (fused)"]
+    assert seconds == pytest.approx(-(-plan.n_adapter // 2) * 2 / 1e6)
