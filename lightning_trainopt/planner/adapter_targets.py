@@ -30,6 +30,17 @@ def output_head_names(module: nn.Module) -> set[str]:
     return {name for name, sub in module.named_modules() if id(sub) in outs or name.split(".")[-1] == "lm_head"}
 
 
+def _features(sub: nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` of a layer peft adapts as linear: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2), whose
+    weight is stored ``(in, out)``; ``None`` for any other module."""
+    if isinstance(sub, nn.Linear):
+        return sub.in_features, sub.out_features
+    weight = getattr(sub, "weight", None)
+    if type(sub).__name__ == "Conv1D" and isinstance(weight, nn.Parameter) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
 def module_adapter_plan(
     module: nn.Module,
     kind: str,
@@ -40,7 +51,7 @@ def module_adapter_plan(
     quant_storage_bytes: int = 2,
     blocksize: int = 64,
 ) -> AdapterPlan:
-    """The adapter plan of ``module`` (before the adapter is applied): adapters on the ``nn.Linear`` layers named by
+    """The adapter plan of ``module`` (before the adapter is applied): adapters on the linear layers named by
     ``target_modules`` (never the output head); under ``qlora`` those layers in NF4 (the adapter core quantizes the
     targeted layers); every other parameter frozen in its own precision. Tied parameters count once.
 
@@ -54,11 +65,12 @@ def module_adapter_plan(
     in_linear: set[int] = set()
     quantized_ids: set[int] = set()
     for name, sub in module.named_modules():
-        if not isinstance(sub, nn.Linear):
+        features = _features(sub)
+        if features is None:
             continue
         hit = matches_target(name, target_modules) and name not in heads
         if hit:
-            targeted.append((sub.in_features, sub.out_features))
+            targeted.append(features)
         if id(sub.weight) in in_linear:
             continue
         in_linear.add(id(sub.weight))

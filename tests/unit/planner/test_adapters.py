@@ -248,3 +248,19 @@ def test_cpu_adam_under_offload_steps_only_the_adapters() -> None:
     )
     seconds = ad.speed.overhead.serial["CPU AdamW (fused)"]
     assert seconds == pytest.approx(-(-plan.n_adapter // 2) * 2 / 1e6)
+
+
+def test_gpt2_conv1d_layers_are_planned_as_linear() -> None:
+    # plan.py model=hf model.pretrained=<GPT-2 dir> adapter=qlora refused GPT-2's own default targets ("no linear layer
+    # of LitCausalLM has one of these names"): its layers are transformers' Conv1D (found by review).
+    from tests.helpers.hf import hf_model
+
+    targets = ["c_attn", "c_proj", "c_fc"]
+    plan = module_adapter_plan(hf_model("gpt2"), "qlora", 8, targets)
+    model = hf_model("gpt2")
+    report = apply_adapter(model, AdapterSpec(kind="qlora", r=8, target_modules=tuple(targets)))
+    assert plan.n_adapter == report.trainable > 0
+    assert len(plan.quantized) == len(report.quantized) == 4 * model.config.n_layer
+    assert sum(plan.quantized) == sum(
+        m.weight.quant_state.shape.numel() for n, m in model.named_modules() if n.endswith("base_layer")
+    )
