@@ -258,6 +258,19 @@ def _shared_parameters(model: torch.nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+def _adapts_conv1d(shape: Any, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the adapted layers of the checkpoint's model are transformers' ``Conv1D`` (GPT-2); ``False`` when the
+    model cannot be built here (its ``model.pretrained`` files gone): the adapter is written as before."""
+    try:
+        model = _reference_model(shape)
+    except (ConfigError, OSError, ValueError):
+        return False
+    if model is None:
+        return False
+    modules = dict(model.named_modules())
+    return any(type(modules.get(name)).__name__ == "Conv1D" for name in pairs)
+
+
 def _write_peft(out: Path, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], config: Any, dtype: torch.dtype) -> int:
     """``adapter_model.safetensors`` + ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes them."""
     from safetensors.torch import save_file
@@ -379,6 +392,10 @@ def export_checkpoint(
             stacklevel=2,
         )
     if format == "peft":
+        if config is not None and _adapts_conv1d(shape, pairs):
+            # peft's own save writes it for GPT-2: its Conv1D weights are (in, out). Without it PeftModel warned and
+            # other readers of adapter_config.json took the layers for nn.Linear.
+            config.fan_in_fan_out = True
         written = len(pairs) * 2
         _write_atomic(out, lambda staging: _write_peft(staging, pairs, config, target))
     else:

@@ -3,6 +3,7 @@ Hugging Face model directory, each loaded back by its library with the adapter m
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,11 @@ def test_a_qlora_checkpoint_is_merged_into_its_dequantized_base(arch, tmp_path):
             report = export_checkpoint(ckpt, tmp_path / "bf16", "hf")
         assert report.dtype == torch.bfloat16
         assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    # GPT-2's Conv1D weights are (in, out): its adapter_config.json says so, as peft's own save writes it (it said
+    # false, and PeftModel.from_pretrained warned; found by review).
+    export_checkpoint(ckpt, tmp_path / "peft", "peft")
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert written["fan_in_fan_out"] is (arch == "gpt2")
 
 
 def _qlora_merge_by_hand(model: torch.nn.Module, transpose: bool) -> dict[str, torch.Tensor]:
