@@ -99,6 +99,16 @@ def teacher_source(path: str, teacher_model: GPTConfig | HFModelConfig | None = 
             vocab = config.vocab_size
         return TeacherSource(str(path), config, fingerprint(where), lambda: _hf_state(where), vocab)
     state, hyper = read_checkpoint_weights(where)
+    if any(".lora_A." in key for key in state):
+        # The teacher is a plain model: an adapter run's checkpoint holds its adapters beside (mostly without) the
+        # frozen base, which failed later as "20 missing / 28 unexpected tensors" naming distill.teacher_model.
+        raise ConfigError(
+            _KEY,
+            path,
+            "a checkpoint of an adapter=lora|qlora run (it holds LoRA tensors, and leaves its frozen base out); "
+            f"merge the adapter into its base first, trainopt-export {path} --out DIR --format hf, then give "
+            "distill.teacher=DIR.",
+        )
     config = _shape(hyper, teacher_model, path)
     vocab = config.vocab_size if isinstance(config, GPTConfig) else int(config.load().vocab_size)
     weights = {k: v for k, v in state.items() if not k.startswith("teacher.")}  # a distilled run's own teacher

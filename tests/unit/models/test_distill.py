@@ -182,3 +182,19 @@ def test_the_app_writes_both_terms_to_metrics_json_after_the_final_validation(te
     # n_params and trainable_params are the student's: the teacher is frozen and counted apart.
     assert metrics["trainable_params"] == metrics["n_params"]
     assert metrics["distill"]["teacher_params"] > 0
+
+
+def test_an_adapter_runs_checkpoint_as_teacher_is_refused_with_the_export_command(tmp_path: Path) -> None:
+    # distill.teacher=<an adapter=lora run's last.ckpt> failed as "distill.teacher='20 missing / 28 unexpected
+    # tensors' is invalid ... give distill.teacher_model" (found by review): it holds the adapters, not the base.
+    from lightning_trainopt.transforms.adapters import AdapterSpec, adapter_state_dict, apply_adapter
+
+    module = LitGPT(STUDENT)
+    module.configure_model()
+    apply_adapter(module, AdapterSpec(kind="lora", r=2))
+    path = tmp_path / "lora.ckpt"
+    torch.save({"state_dict": adapter_state_dict(module), "hyper_parameters": {"model": vars(STUDENT)}}, path)
+    with pytest.raises(
+        ConfigError, match=rf"distill\.teacher='{path}'.*adapter=lora.*trainopt-export {path} --out DIR"
+    ):
+        teacher_source(str(path))
