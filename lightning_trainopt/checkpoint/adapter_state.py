@@ -15,6 +15,7 @@ Lightning's checkpoint has no RNG state; LoRA's dropout draws from torch's gener
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -172,6 +173,10 @@ def _base_hash(module: Any) -> str:
     cached = module.__dict__.get(_HASH)
     if isinstance(cached, str):
         return cached
-    value = base_state_hash(module)
+    # Without a distillation teacher: it is frozen too, but not the base. It is read from distill.teacher only once
+    # the fit starts, after a resume checked the hash, so a distilled adapter run could never resume.
+    exclude = getattr(module, "excluded_from_checkpoint", None)
+    with exclude() if callable(exclude) else contextlib.nullcontext():
+        value = base_state_hash(module)
     module.__dict__[_HASH] = value
     return value

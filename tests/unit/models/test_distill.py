@@ -198,3 +198,27 @@ def test_an_adapter_runs_checkpoint_as_teacher_is_refused_with_the_export_comman
         ConfigError, match=rf"distill\.teacher='{path}'.*adapter=lora.*trainopt-export {path} --out DIR"
     ):
         teacher_source(str(path))
+
+
+def test_a_distilled_adapter_run_resumes_its_base_check_without_the_teacher(teacher_ckpt: Path) -> None:
+    # experiment=distill adapter=lora with ckpt_path=auto was refused on resume ("its weights are not the frozen base
+    # this checkpoint's adapters were trained on"): the base hash covered the teacher, which is read from
+    # distill.teacher only at fit start, after the resume's check (found by review).
+    from lightning_trainopt.checkpoint.adapter_state import restore_frozen_base, strip_frozen_base
+    from lightning_trainopt.transforms.adapters import AdapterSpec, apply_adapter
+
+    source, spec, lora = teacher_source(str(teacher_ckpt)), DistillSpec(str(teacher_ckpt)), AdapterSpec(kind="lora")
+
+    def build(load_teacher: bool) -> DistillGPT:
+        torch.manual_seed(0)
+        module = DistillGPT(STUDENT, source, spec)
+        module.configure_model()
+        apply_adapter(module, lora)
+        if load_teacher:
+            module.load_teacher()
+        return module
+
+    trained = build(load_teacher=True)
+    checkpoint = {"state_dict": trained.state_dict()}
+    strip_frozen_base(trained, checkpoint, lora)
+    restore_frozen_base(build(load_teacher=False), checkpoint)  # raised ConfigError naming ckpt_path
