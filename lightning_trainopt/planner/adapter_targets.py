@@ -52,13 +52,13 @@ def module_adapter_plan(
     blocksize: int = 64,
 ) -> AdapterPlan:
     """The adapter plan of ``module`` (before the adapter is applied): adapters on the linear layers named by
-    ``target_modules`` (never the output head); under ``qlora`` those layers in NF4 (the adapter core quantizes the
-    targeted layers); every other parameter frozen in its own precision. Tied parameters count once.
+    ``target_modules`` (the output head only when named: no default target does); under ``qlora`` those layers in
+    NF4 (the adapter core quantizes the targeted layers); every other parameter frozen in its own precision. Tied
+    parameters count once.
 
     Raises:
         ConfigError: no linear layer matches ``target_modules``.
     """
-    heads = output_head_names(module)
     targeted: list[tuple[int, int]] = []
     quantized: list[int] = []
     linear_numel = 0
@@ -68,7 +68,9 @@ def module_adapter_plan(
         features = _features(sub)
         if features is None:
             continue
-        hit = matches_target(name, target_modules) and name not in heads
+        # The output head too when it is named: the adapter core adapts (and under QLoRA quantizes) whatever the
+        # targets match; the defaults never name it.
+        hit = matches_target(name, target_modules)
         if hit:
             targeted.append(features)
         if id(sub.weight) in in_linear:

@@ -264,3 +264,17 @@ def test_gpt2_conv1d_layers_are_planned_as_linear() -> None:
     assert sum(plan.quantized) == sum(
         m.weight.quant_state.shape.numel() for n, m in model.named_modules() if n.endswith("base_layer")
     )
+
+
+def test_a_named_output_head_is_planned_as_the_adapter_core_adapts_it() -> None:
+    # adapter.target_modules=[q_proj,lm_head] on a HF Llama: train.py trained 6,656 adapter parameters, plan.py
+    # planned 2,048 (it left the head out whatever the targets; found by review).
+    from tests.helpers.hf import hf_model
+
+    targets = ("q_proj", "lm_head")
+    plan = module_adapter_plan(hf_model("llama"), "lora", 8, targets)
+    holder = nn.Module()  # as LitCausalLM holds it: apply_adapter adapts a module's .model
+    holder.model = hf_model("llama")
+    report = apply_adapter(holder, AdapterSpec(kind="lora", r=8, target_modules=targets))
+    assert plan.n_adapter == report.trainable
+    assert len(plan.targeted) == len(report.adapted) == 3
