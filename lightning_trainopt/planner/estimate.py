@@ -362,8 +362,7 @@ def estimate_plan(
     memory = states + acts
     overhead = estimate_step_overhead(
         memory,
-        # What the optimizer steps: with an adapter only its parameters (CPU Adam charged the frozen base too).
-        n_params=adapter.n_adapter if adapter is not None else m.n_params,
+        n_params=m.n_params,
         world_size=inputs.shard_size,
         devices_per_node=inputs.devices,
         accumulate=inputs.accumulate,
