@@ -137,7 +137,9 @@ def test_cpu_adam_with_an_adapter_steps_only_the_adapters():
 
     offload = StrategyLayout("fsdp_offload", "fsdp", offload_params="cpu", offload_optimizer="cpu")
     lora = gpt_adapter_plan(LLAMA_7B, "lora", 16)
-    bw = Bandwidths(nvlink_bytes_per_s=NVLINK, network_bytes_per_s=NET, pcie_bytes_per_s=32e9, cpu_adam_params_per_s=1e10)
+    bw = Bandwidths(
+        nvlink_bytes_per_s=NVLINK, network_bytes_per_s=NET, pcie_bytes_per_s=32e9, cpu_adam_params_per_s=1e10
+    )
     full, adapted = _plan(offload, bw=bw).speed.overhead, _plan(offload, bw=bw, adapter=lora).speed.overhead
     assert full.serial["CPU AdamW (fused)"] == pytest.approx(-(-P // 8) * 8 / 1e10)
     assert adapted.serial["CPU AdamW (fused)"] == pytest.approx(-(-lora.n_adapter // 8) * 8 / 1e10)

@@ -189,7 +189,8 @@ def test_the_70b_qlora_preset_plans_to_fit_two_24gb_cards_and_its_command_compos
 
     result = plan(compose_config(["experiment=qlora_70b", "hardware=a10g"], tmp_path, "plan"))
     inputs = result.estimate.inputs
-    assert inputs.adapter is not None and inputs.adapter.kind == "qlora" and inputs.adapter.r == 64
+    assert inputs.adapter is not None
+    assert (inputs.adapter.kind, inputs.adapter.r) == ("qlora", 64)
     assert (inputs.devices, inputs.micro_batch, inputs.seq_len) == (2, 2, 2048)
     assert inputs.layout.name == "fsdp_offload"
     assert result.estimate.peak_device_bytes < 24 * 2**30 * 0.95
@@ -198,7 +199,7 @@ def test_the_70b_qlora_preset_plans_to_fit_two_24gb_cards_and_its_command_compos
     assert "+strategy" not in result.command
     overrides = [o for o in shlex.split(result.command)[2:] if not o.startswith("--config-dir")]
     again = compose_config(overrides, tmp_path)
-    assert again.adapter.r == 64 and again.strategy.preset == "fsdp_offload" and again.trainer.devices == 2
+    assert (again.adapter.r, again.strategy.preset, again.trainer.devices) == (64, "fsdp_offload", 2)
 
 
 def _cpu_adam_rate() -> float:
