@@ -1,12 +1,14 @@
-"""Peak memory of the distillation loss, chunked (``chunked_distillation_loss``) vs whole logits, on CPU.
+"""Peak memory of the distillation loss, chunked (``chunked_distillation_loss``) vs whole logits, on CPU or a GPU.
 
 Each variant runs in its own subprocess (``--one VARIANT``), so its peak RSS is its own: the inputs (both models'
 hidden states and head weights) are allocated first, then one forward + backward of the loss; the figure is the
-growth of the peak RSS (``ru_maxrss``) over the RSS before the loss. The whole-logits variant is
+growth of the peak RSS (``ru_maxrss``) over the RSS before the loss; with ``--device cuda`` it is the growth of
+``torch.cuda.max_memory_allocated`` over the memory allocated before the loss. The whole-logits variant is
 ``distillation_loss(F.linear(h, W), F.linear(h_t, W_t), y)``, what a plain implementation does: both models' ``N x V``
 logits, their fp32 log-softmaxes and the gradient of the student's exist at once.
 
-``python bench/distill_memory.py [--tokens 4096] [--vocab 32000] [--d 512] [--d-teacher 1024] [--chunk 512]``
+``python bench/distill_memory.py [--tokens 4096] [--vocab 32000] [--d 512] [--d-teacher 1024] [--chunk 512]
+[--device cuda]``
 """
 
 from __future__ import annotations
@@ -38,16 +40,21 @@ def one(variant: str, a: argparse.Namespace) -> dict:
     from lightning_trainopt.transforms.distill_loss import chunked_distillation_loss, distillation_loss
 
     torch.manual_seed(0)
-    h = torch.randn(a.tokens, a.d, requires_grad=True)
-    w = (torch.randn(a.vocab, a.d) * 0.02).requires_grad_(True)
-    ht, wt = torch.randn(a.tokens, a.d_teacher), torch.randn(a.vocab, a.d_teacher) * 0.02
-    y = torch.randint(0, a.vocab, (a.tokens,))
+    dev = torch.device(a.device)
+    h = torch.randn(a.tokens, a.d, device=dev, requires_grad=True)
+    w = (torch.randn(a.vocab, a.d, device=dev) * 0.02).requires_grad_(True)
+    ht, wt = torch.randn(a.tokens, a.d_teacher, device=dev), torch.randn(a.vocab, a.d_teacher, device=dev) * 0.02
+    y = torch.randint(0, a.vocab, (a.tokens,), device=dev)
     # Warm-up on a few tokens: the kernels' one-time buffers and thread pools are not the loss's memory.
     n = min(16, a.tokens)
     chunked_distillation_loss(h[:n], w, ht[:n], wt, y[:n], chunk_tokens=n).loss.backward()
     distillation_loss(F.linear(h[:n], w), F.linear(ht[:n], wt), y[:n]).loss.backward()
     h.grad = w.grad = None
-    before = _rss()
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else _rss()
     start = time.perf_counter()
     if variant == "chunked":
         terms = chunked_distillation_loss(h, w, ht, wt, y, alpha=0.5, temperature=2.0, chunk_tokens=a.chunk)
@@ -56,8 +63,11 @@ def one(variant: str, a: argparse.Namespace) -> dict:
             teacher_logits = F.linear(ht, wt)
         terms = distillation_loss(F.linear(h, w), teacher_logits, y, alpha=0.5, temperature=2.0)
     terms.loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {"variant": variant, "peak_growth_bytes": _peak() - before, "seconds": seconds,
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak()
+    return {"variant": variant, "peak_growth_bytes": peak - before, "seconds": seconds,
             "loss": terms.loss.item(), "grad_norm": float(h.grad.norm() + w.grad.norm())}  # fmt: skip
 
 
@@ -69,6 +79,7 @@ def main() -> None:
     parser.add_argument("--d-teacher", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--one", choices=["chunked", "whole"])
+    parser.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak allocated)")
     a = parser.parse_args()
     if a.one:
         print(json.dumps(one(a.one, a)))
@@ -76,7 +87,8 @@ def main() -> None:
     logits = a.tokens * a.vocab * 4
     print(f"N={a.tokens} tokens, V={a.vocab}, d={a.d}, d_teacher={a.d_teacher}, chunk={a.chunk}; "
           f"one model's fp32 logits: {logits / MiB:.0f} MiB")  # fmt: skip
-    print("| variant | peak RSS growth (MiB) | x one logits tensor | fwd+bwd (s) | loss |\n|---|---:|---:|---:|---:|")
+    what = "peak allocated growth" if a.device == "cuda" else "peak RSS growth"
+    print(f"| variant | {what} (MiB) | x one logits tensor | fwd+bwd (s) | loss |\n|---|---:|---:|---:|---:|")
     results = {}
     for variant in ("whole", "chunked"):
         argv = [sys.executable, __file__, "--one", variant, *sys.argv[1:]]

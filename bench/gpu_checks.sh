@@ -11,7 +11,8 @@
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 5`   (FP8 compiled, not yet timed)
 #   device run: carry [".whl"], timeout_s 580, command `bash bench/gpu_checks.sh 6`   (FP8 x strategies smoke, not yet timed)
 #   device run: carry [".whl"], timeout_s 590, command `bash bench/gpu_checks.sh 7`   (precision parity, not yet timed)
-#   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 8`   (adapters, distill; not yet timed)
+#   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 8`   (adapters; not yet timed)
+#   device run: carry [".whl"], timeout_s 560, command `bash bench/gpu_checks.sh 9`   (distillation; not yet timed)
 #
 # Outputs go under $OUT (the device tool brings them back) or /tmp/gpu_checks. `set -u` only: one failure must not
 # hide the rest; every step has its own timeout so a hang cannot eat the session.
@@ -136,5 +137,22 @@ if [ "$PART" = "8" ]; then
     timeout 150 "$PY" train.py adapter=qlora precision=bf16 +strategy=fsdp trainer=gpu trainer.devices=1 \
         model=gpt_125m trainer.max_steps=20 data.seq_len=1024 logger=none trainer.enable_progress_bar=false \
         hydra.run.dir="$OUT/qlora_fsdp" 2>&1 | tail -25 | tee "$OUT/qlora_fsdp.txt"
+fi
+if [ "$PART" = "9" ]; then
+    # Issue #22's distillation on one GPU. The chunked loss against whole logits at a Llama-3-sized vocabulary (128,256
+    # ids, 16,384 tokens: one model's fp32 logits are 8.4 GB): the growth of peak allocated memory and the time.
+    log "distill memory"
+    timeout 200 "$PY" bench/distill_memory.py --device cuda --tokens 16384 --vocab 128256 --d 2048 --d-teacher 4096 \
+        --chunk 2048 2>&1 | tail -8 | tee "$OUT/distill_memory_cuda.txt"
+    # Through the app: a gpt_125m teacher trained for 30 steps, then a 4-block student distilled from it (bf16):
+    # status, train_ce / train_kl, tokens/s and MFU counting the teacher's forward, peak memory.
+    log "distill app"
+    gpu=(trainer=gpu trainer.devices=1 precision=bf16 data.seq_len=1024 logger=none trainer.enable_progress_bar=false)
+    timeout 150 "$PY" train.py model=gpt_125m trainer.max_steps=30 "${gpu[@]}" hydra.run.dir="$OUT/teacher" \
+        > "$OUT/teacher.log" 2>&1
+    timeout 180 "$PY" train.py experiment=distill distill.teacher="$OUT/teacher/checkpoints/last.ckpt" \
+        model=gpt_125m model.n_layers=4 trainer.max_steps=30 "${gpu[@]}" hydra.run.dir="$OUT/distill" 2>&1 \
+        | tail -30 | tee "$OUT/distill_app.txt"
+    rm -rf "$OUT/teacher/checkpoints"  # 1.5 GB: too large to come back
 fi
 log "done part $PART"

@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -194,14 +195,12 @@ def _translate(path: str | os.PathLike[str], err: BaseException, where: str | os
     return err
 
 
-def _atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any], translate: bool = False) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_path(path)
+@contextmanager
+def _committed(staging: str | os.PathLike[str], path: str | os.PathLike[str], translate: bool) -> Iterator[None]:
+    """Rename ``staging`` to ``path`` when the block succeeds; otherwise remove it and re-raise (``translate``: an
+    I/O failure or a full disk as :class:`CheckpointWriteError`). Whatever was at ``path`` is kept until the rename."""
     try:
-        with open(staging, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        yield
         commit_staged(staging, path)
     except Exception as err:
         error = _translate(path, err, Path(path).parent) if translate else err
@@ -212,6 +211,15 @@ def _atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any
     except BaseException:
         discard_staged(staging)
         raise
+
+
+def _atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any], translate: bool = False) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_path(path)
+    with _committed(staging, path, translate), open(staging, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_file_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:
@@ -250,21 +258,11 @@ def write_directory_atomic(path: str | os.PathLike[str], write: Callable[[Path],
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(staging_path(final))
-    try:
+    # safetensors and torch.save report a full disk as their own errors, without an errno: see _translate.
+    with _committed(staging, final, translate=True):
         staging.mkdir()
         write(staging)
         _fsync_tree(staging)
-        commit_staged(staging, final)
-    except Exception as err:
-        # safetensors and torch.save report a full disk as their own errors, without an errno: see _translate.
-        error = _translate(final, err, final.parent)
-        discard_staged(staging)
-        if error is err:
-            raise
-        raise error from err
-    except BaseException:
-        discard_staged(staging)
-        raise
 
 
 def save_directory_checkpoint(strategy: Any, filepath: str | os.PathLike[str], write: Callable[[str], None]) -> None:

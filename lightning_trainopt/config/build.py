@@ -122,7 +122,8 @@ def build_run(run: RunSpec) -> BuiltRun:
     datamodule = instantiate(run.data.node, _convert_="all")
     if hasattr(datamodule, "check_source"):
         datamodule.check_source()
-    module = build_module(run.model, run.optimizer)
+    dims = run.parallelism.dims
+    module = build_module(run.model, run.optimizer, tensor_parallel=dims.tp if dims is not None else 1)
     _document_attention(module, datamodule)
     vocab_key = "model.overrides.vocab_size" if run.model.kind == "hf" else "model.vocab_size"
     check_vocab(model_vocab_size(module), data_vocab_size(datamodule), vocab_key)

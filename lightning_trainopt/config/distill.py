@@ -11,16 +11,24 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 
 from lightning_trainopt.checkpoint.teacher import teacher_source
 from lightning_trainopt.config.run_spec import ModelSpec, OptimizerSpec
 from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.models.config import GPTConfig
-from lightning_trainopt.models.distill import DistillCausalLM, DistillGPT, DistillSpec, TeacherSource
+from lightning_trainopt.models.distill import (
+    DistillCausalLM,
+    DistillGPT,
+    DistillSpec,
+    TeacherSource,
+    build_teacher_model,
+)
 from lightning_trainopt.models.hf_config import HFModelConfig, import_transformers
+from lightning_trainopt.parallel.tp import check_teacher_tensor_parallel as _check_split
 
-__all__ = ["build_distill_module", "check_teacher_vocab"]
+__all__ = ["build_distill_module", "check_teacher_tensor_parallel", "check_teacher_vocab"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -73,13 +81,32 @@ def check_teacher_vocab(student: GPTConfig | HFModelConfig, student_vocab: int, 
         )
 
 
-def build_distill_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.LightningModule:
+def check_teacher_tensor_parallel(config: GPTConfig | HFModelConfig, path: str, tensor_parallel: int) -> None:
+    """Refuse, before anything is spawned, a teacher the student's tensor-parallel plan cannot split.
+
+    The teacher is built on the meta device from its shape ``config`` (our checkpoint's model hyper-parameters, a HF
+    directory's ``config.json``, or ``distill.teacher_model``) and checked by the rule the TP step of the ordered
+    rewrite applies (:func:`~lightning_trainopt.parallel.tp.check_teacher_tensor_parallel`). ``train.py`` calls it
+    when it builds the module, ``plan.py`` for the teacher it plans; ``path`` is ``distill.teacher``.
+
+    Raises:
+        IncompatibleConfigError: naming ``distill.teacher`` and ``strategy.tensor_parallel_size``.
+    """
+    if tensor_parallel <= 1:
+        return
+    with torch.device("meta"):
+        model = build_teacher_model(config)
+    _check_split(model, tensor_parallel, path)
+
+
+def build_distill_module(model: ModelSpec, optimizer: OptimizerSpec, tensor_parallel: int = 1) -> pl.LightningModule:
     """The distilling LightningModule of ``model`` (the student) and ``model.distill`` (the teacher and the loss).
 
     Raises:
         ConfigError: a ``loss`` group other than ``standard`` (distillation computes its own chunked loss),
             ``model=module`` (a user's module computes its own loss), a teacher that cannot be read, or vocabularies
             that differ.
+        IncompatibleConfigError: a teacher ``tensor_parallel`` cannot split (:func:`check_teacher_tensor_parallel`).
     """
     assert model.distill is not None
     if model.loss is not None:
@@ -102,6 +129,7 @@ def build_distill_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.Light
             "distill._target_", type(spec).__name__, "use experiment=distill (conf/distill/default.yaml)."
         )
     source = teacher_source(spec.teacher, spec.teacher_model)
+    check_teacher_tensor_parallel(source.config, source.path, tensor_parallel)
     partial = instantiate(optimizer.node, _convert_="all") if optimizer.node else None
     scheduler = instantiate(optimizer.scheduler, _convert_="all") if optimizer.scheduler else None
     student: Any = instantiate(model.node, _convert_="all")

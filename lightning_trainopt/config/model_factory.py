@@ -85,7 +85,7 @@ def build_lightning_module(cfg: DictConfig) -> pl.LightningModule:
     return build_module(model_spec(cfg), optimizer_spec(cfg))
 
 
-def build_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.LightningModule:
+def build_module(model: ModelSpec, optimizer: OptimizerSpec, tensor_parallel: int = 1) -> pl.LightningModule:
     """The LightningModule ``model`` describes, with the ``optimizer``/``scheduler`` partials, uncompiled.
 
     ``compile=true`` is applied by ``train.py``'s model rewrite (:mod:`lightning_trainopt.config.rewrite`, step 4 of
@@ -100,6 +100,7 @@ def build_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.LightningModu
     Args:
         model: the run spec's model section (with the ``loss`` group).
         optimizer: the run spec's optimizer section (with the ``scheduler`` group).
+        tensor_parallel: the run's tensor-parallel size: a distillation teacher it cannot split is refused here.
 
     Raises:
         ConfigError: the model node is invalid (a missing file, an unknown override, a class that is not a
@@ -108,7 +109,7 @@ def build_module(model: ModelSpec, optimizer: OptimizerSpec) -> pl.LightningModu
     if model.distill is not None:
         from lightning_trainopt.config.distill import build_distill_module
 
-        return build_distill_module(model, optimizer)
+        return build_distill_module(model, optimizer, tensor_parallel)
     loss = instantiate(model.loss, _convert_="all") if model.loss else None
     if model.kind == "module":
         if loss is not None:

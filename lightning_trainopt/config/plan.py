@@ -14,7 +14,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_trainopt.config.plan_adapter import adapter_plan, adapter_plans_to_search, adapter_refused, teacher_plan
+from lightning_trainopt.config.plan_adapter import (
+    adapter_plan,
+    adapter_plans_to_search,
+    adapter_refused,
+    check_teacher_split,
+    teacher_plan,
+)
 from lightning_trainopt.config.plan_command import override_keys, plan_choices, train_command
 from lightning_trainopt.config.plan_inputs import (
     NO_STRATEGY,
@@ -283,6 +289,7 @@ def plan(cfg: DictConfig) -> PlanResult:
     adam_path = _adam_path(cfg, on_cuda)
     base = build_plan_inputs(cfg, choices.get("activations", "none"))
     base = replace(base, adapter=adapter_plan(cfg, base.model), teacher=teacher_plan(cfg, _conf_dir(cfg), base.seq_len))
+    check_teacher_split(cfg, base.tensor_parallel)  # the teacher train.py refuses under TP
     inputs = replace(base, adam_path=adam_path(base))
     measured = _measured_tokens_per_sec(plan_cfg.get("metrics"), inputs, on_cuda)
     bandwidths = Bandwidths(

@@ -17,7 +17,7 @@ from lightning_trainopt.planner.adapters import AdapterPlan, gpt_adapter_plan
 from lightning_trainopt.planner.teacher import TeacherPlan, gpt_teacher_plan
 from lightning_trainopt.transforms.adapters import default_target_modules
 
-__all__ = ["adapter_plan", "adapter_plans_to_search", "adapter_refused", "teacher_plan"]
+__all__ = ["adapter_plan", "adapter_plans_to_search", "adapter_refused", "check_teacher_split", "teacher_plan"]
 
 #: What the search plans for an adapter the user did not configure: the QLoRA paper's rank and targets (every linear
 #: layer of the blocks), no dropout.
@@ -157,3 +157,30 @@ def _distill_teacher(cfg: DictConfig, seq_len: int) -> TeacherPlan | None:
     if isinstance(source, str) and (Path(source) / "config.json").is_file():
         return _hf_teacher(Path(source), seq_len)
     return None
+
+
+def check_teacher_split(cfg: DictConfig, tensor_parallel: int) -> None:
+    """Under ``experiment=distill`` with TP > 1, refuse the teacher ``train.py`` refuses: one the student's
+    tensor-parallel plan cannot split (:func:`~lightning_trainopt.config.distill.check_teacher_tensor_parallel`, the
+    same rule and message). The teacher's shape is read as :func:`teacher_plan` reads it: a ``GPTConfig``
+    ``distill.teacher_model`` node or a local Hugging Face directory's ``config.json``; our ``.ckpt``/ZeRO/DCP
+    teachers are not opened here (``train.py`` checks them when it reads them, before spawning).
+
+    Raises:
+        IncompatibleConfigError: naming ``distill.teacher`` and ``strategy.tensor_parallel_size``.
+    """
+    distill = _plain(cfg.get("distill")) or {}
+    if tensor_parallel <= 1 or not isinstance(distill, dict):
+        return
+    from lightning_trainopt.config.distill import check_teacher_tensor_parallel
+    from lightning_trainopt.models.hf_config import HFModelConfig
+
+    node, source = distill.get("teacher_model"), distill.get("teacher")
+    config: GPTConfig | HFModelConfig
+    if isinstance(node, dict) and str(node.get("_target_", "")).endswith("GPTConfig"):
+        config = GPTConfig(**{k: v for k, v in node.items() if k != "_target_"})
+    elif node is None and isinstance(source, str) and (Path(source) / "config.json").is_file():
+        config = HFModelConfig(pretrained=source)
+    else:
+        return
+    check_teacher_tensor_parallel(config, str(source), tensor_parallel)

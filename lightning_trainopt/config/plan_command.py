@@ -116,7 +116,13 @@ def train_command(
     if "adapter" in swapped:  # likewise the adapter (plan.adapters=true)
         parts.append(f"adapter={swapped['adapter']}")
     strategy_given = "strategy" in present and "strategy" not in swapped
-    if choices.get("strategy") and inputs.layout.has_strategy and not strategy_given:
+    # A strategy the overrides did not give came from a defaults list (an experiment preset such as qlora_70b, or a
+    # ladder rung): `+strategy=` would then fail to compose ("an item is already at 'strategy'"). The preset's own
+    # composes again without a word; a search winner's replaces it with `strategy=`.
+    from_defaults = cfg.get("strategy") is not None and "strategy" not in {_override_key(o) for o in given}
+    if from_defaults and "strategy" in swapped:
+        parts.append(f"strategy={choices['strategy']}")
+    elif choices.get("strategy") and inputs.layout.has_strategy and not strategy_given and not from_defaults:
         parts.append(f"+strategy={choices['strategy']}")
     parts += [
         f"trainer.devices={inputs.devices}",

@@ -44,7 +44,15 @@ from lightning_trainopt.models.optimization import strategy_answers
 from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, forward_replaced, head_weight
 from lightning_trainopt.transforms.distill_loss import DistillHeadLoss, TeacherOutputs, check_distill_args
 
-__all__ = ["TEACHER_RECORD", "DistillCausalLM", "DistillGPT", "DistillSpec", "TeacherSource", "load_full_state"]
+__all__ = [
+    "TEACHER_RECORD",
+    "DistillCausalLM",
+    "DistillGPT",
+    "DistillSpec",
+    "TeacherSource",
+    "build_teacher_model",
+    "load_full_state",
+]
 
 _TEACHER = "teacher."
 #: The checkpoint entry where a distilled student records its teacher (path and fingerprint).
@@ -162,6 +170,21 @@ def _head_returns_input(head: torch.nn.Module, sharded: bool, into: dict[str, An
         yield
 
 
+def build_teacher_model(config: GPTConfig | HFModelConfig) -> torch.nn.Module:
+    """The teacher's model of ``config``, constructed on the current default device (the meta device for a shape).
+
+    The distilling module builds it so in ``configure_model``; pre-flight (``config/distill.py``) on the meta device
+    to check it against the tensor-parallel size before anything is spawned.
+    """
+    if isinstance(config, GPTConfig):
+        return GPT(config)
+    hf_config = config.load()
+    hf_config.use_cache = False
+    auto = import_transformers().AutoModelForCausalLM
+    model: torch.nn.Module = auto.from_config(hf_config, attn_implementation=config.attn_implementation)
+    return model
+
+
 class _Distillation:
     """What the two distilling LightningModules add to their student class (a mixin; see the module docstring)."""
 
@@ -218,15 +241,8 @@ class _Distillation:
     def _build_teacher(self, build_dtype: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
         if self.teacher is not None:
             return
-        cfg = self.distill_source.config
         with build_dtype():
-            if isinstance(cfg, GPTConfig):
-                teacher: torch.nn.Module = GPT(cfg)
-            else:
-                hf_config = cfg.load()
-                hf_config.use_cache = False
-                auto = import_transformers().AutoModelForCausalLM
-                teacher = auto.from_config(hf_config, attn_implementation=cfg.attn_implementation)
+            teacher = build_teacher_model(self.distill_source.config)
         teacher.requires_grad_(False)
         teacher.eval()
         self.teacher = teacher

@@ -51,15 +51,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_trainopt.exceptions import ConfigError, IncompatibleConfigError
+from lightning_trainopt.exceptions import ConfigError
 from lightning_trainopt.metrics.saved_tensors import SavedTensorsTransform, transform_saved_tensors
 from lightning_trainopt.parallel.tp import (
     TPReport,
     apply_tensor_parallel,
-    architecture_of,
-    inner_model,
-    model_shape,
-    tp_divisibility_errors,
+    check_teacher_tensor_parallel,
 )
 from lightning_trainopt.precision.convert import ConversionReport, convert_model
 from lightning_trainopt.precision.spec import PrecisionSpec
@@ -313,18 +310,7 @@ def _tensor_parallel_teacher(model: nn.Module, tp_mesh: Any, sequence_parallel: 
     teacher = getattr(model, "teacher", None)
     if not isinstance(teacher, nn.Module):
         return
-    inner, tp = inner_model(teacher), int(tp_mesh.size())
-    arch = architecture_of(inner)
-    bad = [] if arch is None else tp_divisibility_errors(model_shape(inner), tp)
-    if arch is None or bad:
-        found = getattr(getattr(inner, "config", None), "model_type", None) or type(inner).__name__
-        why = "has no tensor-parallel plan" if arch is None else f"has sizes not divisible by {tp}: {', '.join(bad)}"
-        raise IncompatibleConfigError(
-            {"distill.teacher": found, "strategy.tensor_parallel_size": tp},
-            f"the distillation teacher gets the student's tensor-parallel plan, and it {why}.",
-            "use a teacher whose heads, KV heads, FFN width and vocabulary the TP size divides (and an architecture "
-            "with a plan), a smaller strategy.tensor_parallel_size, or +strategy=fsdp.",
-        )
+    check_teacher_tensor_parallel(teacher, int(tp_mesh.size()))
     float8 = any(type(m).__name__ == "Float8Linear" for m in teacher.modules())
     apply_tensor_parallel(teacher, tp_mesh, float8=float8, sequence_parallel=sequence_parallel)
 

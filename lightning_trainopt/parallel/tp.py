@@ -40,6 +40,7 @@ __all__ = [
     "apply_tensor_parallel",
     "architecture_of",
     "check_float8_sequence_parallel",
+    "check_teacher_tensor_parallel",
     "clip_grad_norm_",
     "inner_model",
     "model_shape",
@@ -118,6 +119,37 @@ def model_shape(model: nn.Module) -> dict[str, int]:
         "ffn": cfg.intermediate_size,
         "vocab": cfg.vocab_size,
     }
+
+
+def check_teacher_tensor_parallel(teacher: nn.Module, tp: int, path: str | None = None) -> None:
+    """Refuse a distillation teacher that the student's tensor-parallel plan cannot split over ``tp`` ranks.
+
+    The one rule for both callers: the launching process's check of the teacher read from ``distill.teacher``
+    (built on the meta device, ``config/distill.py``), before anything is spawned, and the TP step of the ordered
+    rewrite (``parallel/apply.py``), before the teacher is split.
+
+    Args:
+        teacher: the teacher model (our ``GPT`` or a Hugging Face model; the meta device will do).
+        tp: the tensor-parallel size.
+        path: ``distill.teacher`` as given, named in the message when known.
+
+    Raises:
+        IncompatibleConfigError: naming ``distill.teacher`` and ``strategy.tensor_parallel_size``: an architecture
+            without a plan, or heads, KV heads, FFN width or vocabulary ``tp`` does not divide.
+    """
+    inner = inner_model(teacher)
+    arch = architecture_of(inner)
+    bad = [] if arch is None else tp_divisibility_errors(model_shape(inner), tp)
+    if arch is None or bad:
+        found = getattr(getattr(inner, "config", None), "model_type", None) or type(inner).__name__
+        why = "has no tensor-parallel plan" if arch is None else f"has sizes not divisible by {tp}: {', '.join(bad)}"
+        raise IncompatibleConfigError(
+            {"distill.teacher": path or found, "strategy.tensor_parallel_size": tp},
+            f"the distillation teacher is split by the student's tensor-parallel plan, and its architecture "
+            f"({found}) {why}.",
+            "use a teacher whose heads, KV heads, FFN width and vocabulary the TP size divides (and an architecture "
+            f"with a plan: {', '.join(ARCHITECTURES)}), a smaller strategy.tensor_parallel_size, or +strategy=fsdp.",
+        )
 
 
 def tp_shape(model: nn.Module) -> TPShape | None:

@@ -19,6 +19,10 @@ reduce-scatter ``(n-1)/n`` (NCCL's bus-bandwidth model):
 - HSDP (``r`` > 1): also each micro-batch all-reduces the gradient shard between the replicas:
   ``k·2·(r-1)/r·P/s·g``; overlapped with backward.
 
+With an adapter (LoRA/QLoRA) only its ``T`` parameters have gradients and optimizer states: every gradient term
+and ZeRO's all-gather of the updated weights count ``T`` instead of ``P``; ZeRO-3/FSDP2 still all-gather the whole
+(frozen) base, a QLoRA base as its packed 4-bit bytes (``gathered_bytes``).
+
 Links: a group whose ranks sit in one node communicates over NVLink, one that spans nodes over the network (each
 rank's share of the node's NICs), the slower hop setting the pace of a ring. Ranks are laid out as ParallelDims
 lays them out (replicas outermost, TP innermost): a shard group spans ``s·tp`` consecutive ranks, the data-parallel
@@ -73,6 +77,9 @@ def dp_comm(
     accumulate: int,
     nvlink_bytes_per_s: float | None,
     network_bytes_per_s: float | None,
+    *,
+    trainable: int | None = None,
+    gathered_bytes: float | None = None,
 ) -> list[DPComm]:
     """The data-parallel collectives of one optimizer step on one rank (see the module docstring).
 
@@ -88,11 +95,16 @@ def dp_comm(
         accumulate: micro-batches per optimizer step.
         nvlink_bytes_per_s: one device's NVLink bandwidth (``None``: unknown).
         network_bytes_per_s: one device's share of the network (``None``: unknown).
+        trainable: parameters with gradients, of one rank's TP share (``None``: all ``n_params``; an adapter's).
+        gathered_bytes: bytes of one rank's TP share of the weights as ZeRO-3/FSDP2 all-gather them (``None``:
+            ``n_params x weight_bytes``; a QLoRA base travels as its packed 4-bit bytes).
 
     Returns:
         the collectives (empty with one data-parallel rank or without a strategy).
     """
     d, r, k, p = data_parallel, replicate, accumulate, n_params
+    t = p if trainable is None else trainable  # the parameters whose gradients are reduced
+    gathered = p * weight_bytes if gathered_bytes is None else gathered_bytes
     if d <= 1 or not layout.has_strategy:
         return []
     s = d // r
@@ -111,27 +123,33 @@ def dp_comm(
     if layout.shards_params:
         if s > 1:
             gathers = 2 if layout.reshard_after_forward else 1
-            nbytes = k * (gathers * (s - 1) / s * p * weight_bytes + (s - 1) / s * p * grad_bytes)
-            formula = (
-                f"{k} x ({gathers} all-gathers x {weight_bytes} B + reduce-scatter x {grad_bytes} B) x ({s}-1)/{s} "
-                f"x {p:,} params"
-            )
+            nbytes = k * (gathers * (s - 1) / s * gathered + (s - 1) / s * t * grad_bytes)
+            if t == p and gathered == p * weight_bytes:
+                formula = (
+                    f"{k} x ({gathers} all-gathers x {weight_bytes} B + reduce-scatter x {grad_bytes} B) x "
+                    f"({s}-1)/{s} x {p:,} params"
+                )
+            else:
+                formula = (
+                    f"{k} x ({gathers} all-gathers x {gathered / gb:.3g} GB of weights + reduce-scatter x "
+                    f"{grad_bytes} B x {t:,} trainable params) x ({s}-1)/{s}"
+                )
             name = "FSDP2" if layout.shards_each_param else "ZeRO-3"
             add(f"{name} all-gathers + reduce-scatters", s * tp, nbytes, True, formula)
         if r > 1:
-            shard = -(-p // s)
+            shard = -(-t // s)
             nbytes = k * 2 * (r - 1) / r * shard * grad_bytes
             formula = f"{k} x all-reduce 2 x ({r}-1)/{r} x {shard:,} params (one shard) x {grad_bytes} B"
             add("HSDP replica all-reduce", world, nbytes, True, formula)
         return out
     if layout.shards_optimizer:  # ZeRO-1/2
         times = 1 if layout.reduces_at_boundary else k
-        nbytes = times * (d - 1) / d * p * grad_bytes
-        add("ZeRO gradient reduce-scatter", world, nbytes, True, f"{times} x ({d}-1)/{d} x {p:,} x {grad_bytes} B")
-        nbytes = (d - 1) / d * p * weight_bytes
-        add("ZeRO weight all-gather after the step", world, nbytes, False, f"({d}-1)/{d} x {p:,} x {weight_bytes} B")
+        nbytes = times * (d - 1) / d * t * grad_bytes
+        add("ZeRO gradient reduce-scatter", world, nbytes, True, f"{times} x ({d}-1)/{d} x {t:,} x {grad_bytes} B")
+        nbytes = (d - 1) / d * t * weight_bytes
+        add("ZeRO weight all-gather after the step", world, nbytes, False, f"({d}-1)/{d} x {t:,} x {weight_bytes} B")
         return out
     if layout.ddp_buckets:
-        nbytes = 2 * (d - 1) / d * p * grad_bytes
-        add("DDP gradient all-reduce", world, nbytes, True, f"2 x ({d}-1)/{d} x {p:,} x {grad_bytes} B")
+        nbytes = 2 * (d - 1) / d * t * grad_bytes
+        add("DDP gradient all-reduce", world, nbytes, True, f"2 x ({d}-1)/{d} x {t:,} x {grad_bytes} B")
     return out

@@ -362,7 +362,8 @@ def estimate_plan(
     memory = states + acts
     overhead = estimate_step_overhead(
         memory,
-        n_params=m.n_params,
+        # What the optimizer steps (and whose gradients go to the host): with an adapter, its parameters only.
+        n_params=inputs.adapter.n_adapter if inputs.adapter is not None else m.n_params,
         world_size=inputs.shard_size,
         devices_per_node=inputs.devices,
         accumulate=inputs.accumulate,
@@ -432,6 +433,16 @@ def _charge_dp_comm(overhead: StepOverhead, inputs: PlanInputs, n_params: int, b
     """``overhead`` with the data-parallel collectives of one step (``dp_comm``): beside compute or waited for."""
     # Weights travel as held: fp32 under autocast and in fp32, half for -true and in DeepSpeed's half engine.
     w = 4 if inputs.autocast or inputs.compute_bytes == 4 else 2
+    trainable, gathered = None, None
+    adapter = inputs.adapter
+    if adapter is not None:
+        # Gradients of the adapters only (a TP rank holds 1/tp of them, as of the base); the whole base is gathered
+        # under ZeRO-3/FSDP2, its NF4 layers as their packed bytes.
+        tp = max(1, inputs.tensor_parallel)
+        trainable = -(-adapter.n_adapter // tp)
+        quantized = sum(adapter.quantized)
+        packed, _ = adapter.nf4()
+        gathered = ((n_params - quantized // tp) * w + packed / tp) + trainable * w
     comms = dp_comm(
         inputs.layout,
         n_params,
@@ -444,6 +455,8 @@ def _charge_dp_comm(overhead: StepOverhead, inputs: PlanInputs, n_params: int, b
         inputs.accumulate,
         bw.nvlink_bytes_per_s,
         bw.network_bytes_per_s,
+        trainable=trainable,
+        gathered_bytes=gathered,
     )
     for c in comms:
         if c.seconds is None:

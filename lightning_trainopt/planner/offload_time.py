@@ -168,7 +168,7 @@ def estimate_step_overhead(
 
     Args:
         memory: the configuration's per-device memory estimate (where it puts activations, parameters and states).
-        n_params: parameters of the model.
+        n_params: parameters the optimizer steps: the model's, or only an adapter's.
         world_size: devices in the job.
         devices_per_node: ranks sharing one node's CPU cores and NVMe drives.
         accumulate: micro-batches per optimizer step.

@@ -29,12 +29,19 @@ __all__ = [
     "forward_replaced",
     "head_returns_loss",
     "head_weight",
+    "logits_dtype",
     "run_in_head_call",
     "vocab_parallel_chunked_cross_entropy",
 ]
 
 #: Tokens per chunk: 1024 tokens x 128k vocabulary = 0.5 GiB of fp32 logits at a time.
 DEFAULT_CHUNK_TOKENS = 1024
+
+
+def logits_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, w)`` gives: autocast's when autocast is on for ``x``'s device, else ``x``'s own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -52,7 +59,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # ops below run with autocast off in that dtype, so backward (which runs outside autocast) recomputes them
         # exactly.
         device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        dtype = logits_dtype(hidden)
         valid = targets != ignore_index
         count = valid.sum().clamp(min=1)
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -126,7 +133,7 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
         import torch.distributed as dist
 
         device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        dtype = logits_dtype(hidden)
         valid = targets != ignore_index
         count = valid.sum().clamp(min=1)
         rows = weight.shape[0]

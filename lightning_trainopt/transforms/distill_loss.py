@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_trainopt.exceptions import ConfigError
-from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, head_weight, run_in_head_call
+from lightning_trainopt.transforms.chunked_loss import DEFAULT_CHUNK_TOKENS, head_weight, logits_dtype, run_in_head_call
 
 __all__ = [
     "DistillHeadLoss",
@@ -128,8 +128,7 @@ class _ChunkedDistillation(torch.autograd.Function):
         # The logits' dtype: autocast's under mixed precision (as F.linear would give), else the hidden states'; the
         # softmaxes and sums run in fp32 (as chunked_cross_entropy does).
         device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        t_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t_hidden.dtype
+        dtype, t_dtype = logits_dtype(hidden), logits_dtype(t_hidden)
         valid = targets != ignore_index
         count = valid.sum().clamp(min=1).float()
         ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -291,8 +290,7 @@ class _VocabParallelChunkedDistillation(torch.autograd.Function):
         import torch.distributed as dist
 
         device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        t_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t_hidden.dtype
+        dtype, t_dtype = logits_dtype(hidden), logits_dtype(t_hidden)
         valid = targets != ignore_index
         count = valid.sum().clamp(min=1).float()
         rows, T = weight.shape[0], temperature

@@ -37,12 +37,13 @@ def write_config(kind: str, directory: Path, vocab_size: int = 256, **overrides:
     return directory / "config.json"
 
 
-def write_pretrained(kind: str, directory: Path, vocab_size: int = 256, seed: int = 0) -> Any:
-    """A tiny model with random weights saved by ``save_pretrained`` into ``directory``; returns the model."""
+def write_pretrained(kind: str, directory: Path, vocab_size: int = 256, seed: int = 0, **overrides: Any) -> Any:
+    """A tiny model with random weights saved by ``save_pretrained`` into ``directory`` (``overrides``: config
+    fields); returns the model."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind, vocab_size))
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, vocab_size, **overrides))
     model.save_pretrained(directory)
     return model

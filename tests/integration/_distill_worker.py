@@ -1,8 +1,8 @@
 """Worker of test_distill_sharded: distil a tiny GPT from a GPT teacher on 2 CPU processes under FSDP2, tensor
 parallelism and ZeRO-3, one after another in the same pair of processes (one spawn).
 
-``python _distill_worker.py TEACHER.ckpt OUT_DIR``. Writes ``OUT_DIR/rank{R}.json``: ``{"fsdp": ..., "tp": ...,
-"zero3": ...}``.
+``python _distill_worker.py TEACHER.ckpt OUT_DIR HF_DIR``. Writes ``OUT_DIR/rank{R}.json``: ``{"fsdp": ..., "tp": ...,
+"tp_hf": ..., "zero3": ...}``.
 
 - ``fsdp``: fit 2 steps, then check that the teacher is sharded (DTensor parameters of its own FSDP2 units), frozen,
   bit-identical to its checkpoint, outside the optimizer; that the sharded module's loss equals the one-process loss
@@ -11,15 +11,22 @@ parallelism and ZeRO-3, one after another in the same pair of processes (one spa
   batches the fit saw on one process from the same seed built eagerly (no weights copied): the losses of each step,
   and the widest logits chunk a rank computed (the vocabulary-parallel loss: ``V / tp``); then, for the forward and
   the reverse KL, the student head's gradient of one batch against the gathered version's (one process, whole head).
+- ``tp_hf``: a Hugging Face student (``HF_DIR/student``) and teacher (``HF_DIR/teacher``, a larger Llama), both
+  written by ``save_pretrained``: fit 2 steps under TP 2, then check the teacher is split (its head ``Shard(0)``, half
+  of it per rank), frozen, bit-identical to its files, and the module's loss of a batch against the one-process loss
+  of the same weights (plain ``transformers`` models, the whole-logits formula).
 - ``zero3``: as ``fsdp``, the teacher partitioned by ``zero.Init``; the checkpoint's teacher tensors are counted (its
-  frozen fragments and module keys: none, the module is saved without its teacher).
+  frozen fragments and module keys: none, the module is saved without its teacher). A second checkpoint is written
+  with the teacher inside, as before the teacher was left out; a resume from each reaches the same student.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,8 @@ from lightning_trainopt.checkpoint.dcp import read_dcp_tensors
 from lightning_trainopt.checkpoint.teacher import teacher_source
 from lightning_trainopt.launch.multirun import teardown_distributed
 from lightning_trainopt.models import GPT, GPTConfig
-from lightning_trainopt.models.distill import DistillGPT, DistillSpec, TeacherSource
+from lightning_trainopt.models.distill import DistillCausalLM, DistillGPT, DistillSpec, TeacherSource
+from lightning_trainopt.models.hf_config import HFModelConfig
 from lightning_trainopt.parallel import TrainOptDeepSpeedStrategy, TrainOptFSDPStrategy
 from lightning_trainopt.parallel.tp_strategy import TrainOptTPStrategy
 from lightning_trainopt.transforms.distill_loss import distillation_loss
@@ -221,6 +229,50 @@ def tp_case(source: TeacherSource, steps: int = 3) -> dict[str, Any]:
     return report
 
 
+def tp_hf_case(hf_dir: Path) -> dict[str, Any]:
+    import transformers
+
+    source = teacher_source(str(hf_dir / "teacher"))
+    student = HFModelConfig(pretrained=str(hf_dir / "student"))
+    spec = DistillSpec(source.path, alpha=0.5, temperature=2.0, chunk_tokens=5)
+    pl.seed_everything(0)
+    module = DistillCausalLM(student, source, spec)
+    trainer = _trainer(TrainOptTPStrategy(tensor_parallel_size=2), 2)
+    trainer.fit(module, train_dataloaders=_data())
+    teacher = module.teacher
+    assert teacher is not None
+    saved = source.load_state()
+    x, y = TOKENS[:2, :-1], TOKENS[:2, 1:]
+    with torch.no_grad():
+        tp_loss = module.batch_loss((x, y))[0]
+        state = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in module.model.named_parameters()}
+    # One process: plain transformers models, the student's trained (gathered) weights, the teacher from its files.
+    plain_student = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir / "student"))
+    plain_student.load_state_dict(state, strict=False)
+    plain_teacher = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir / "teacher"))
+    with torch.no_grad():
+        want = distillation_loss(plain_student(x).logits, plain_teacher(x).logits, y, alpha=0.5, temperature=2.0)
+    return {
+        "teacher_head_placements": [str(p) for p in teacher.lm_head.weight.placements],
+        "teacher_all_dtensor_matrices": all(isinstance(p, DTensor) for p in teacher.parameters() if p.dim() == 2),
+        "teacher_local_fraction": sum(_local(p).numel() for p in teacher.parameters())
+        / sum(p.numel() for p in teacher.parameters()),
+        "teacher_bit_identical": sorted(n for n, _ in teacher.named_parameters()) == sorted(saved)
+        and all(
+            torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, saved[n])
+            for n, p in teacher.named_parameters()
+        ),
+        "teacher_frozen": all(not p.requires_grad and p.grad is None for p in teacher.parameters()),
+        "teacher_eval": not teacher.training,
+        "student_state_loaded": len(state) == len(list(plain_student.parameters())),
+        "tp_loss": float(tp_loss.full_tensor() if isinstance(tp_loss, DTensor) else tp_loss),
+        "one_loss": float(want.loss),
+        "train_kl": float(trainer.callback_metrics["train/kl"]),
+        "tp_logits_width": module.head_loss.last.logits_width,
+        "vocab": int(teacher.config.vocab_size),
+    }
+
+
 def zero3_case(source: TeacherSource, out: Path) -> dict[str, Any]:
     import deepspeed
 
@@ -264,27 +316,56 @@ def zero3_case(source: TeacherSource, out: Path) -> dict[str, Any]:
         "checkpoint_student_module_keys": len([k for k in states["module"] if k.startswith("model.")]),
         "teacher_tensors": len(params),
     }
-    _next_process_group()
-    resumed = _module(source)
-    again = _trainer(TrainOptDeepSpeedStrategy(stage=3, preset="zero3"), 3)
-    again.fit(resumed, train_dataloaders=_data(), ckpt_path=str(ckpt))
-    assert resumed.teacher is not None
-    again_params = list(resumed.teacher.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in again_params]):
-        report["resumed_teacher_bit_identical"] = all(torch.equal(p.detach(), saved[n]) for n, p in again_params)
-    report["resumed_step"] = again.global_step
+    # A checkpoint as written before the teacher was left out: the module saved with it (its module keys and its
+    # frozen fragments in DeepSpeed's files).
+    legacy = out / "student_zero3_with_teacher"
+    module.excluded_from_checkpoint = contextlib.nullcontext  # type: ignore[method-assign]
+    trainer.save_checkpoint(legacy)
+    del module.excluded_from_checkpoint
+    trainer.strategy.barrier()
+    states = torch.load(
+        sorted(legacy.rglob(f"zero_pp_rank_{rank}_*model_states.pt"))[0], map_location="cpu", weights_only=False
+    )
+    report["legacy_teacher_module_keys"] = len([k for k in states["module"] if k.startswith("teacher.")])
+    report["legacy_teacher_fragments"] = len(
+        [k for k in states.get("frozen_param_fragments") or {} if k.startswith("teacher.")]
+    )
+    # Resume from each: the same step 3 from the same state, so the same student; the teacher as in its files.
+    students = {}
+    for name, path in (("resumed", ckpt), ("legacy", legacy)):
+        _next_process_group()
+        resumed = _module(source)
+        again = _trainer(TrainOptDeepSpeedStrategy(stage=3, preset="zero3"), 3)
+        again.fit(resumed, train_dataloaders=_data(), ckpt_path=str(path))
+        assert resumed.teacher is not None
+        again_params = list(resumed.teacher.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in again_params]):
+            report[f"{name}_teacher_bit_identical"] = all(torch.equal(p.detach(), saved[n]) for n, p in again_params)
+        report[f"{name}_step"] = again.global_step
+        student = list(resumed.model.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in student]):
+            students[name] = {n: p.detach().clone() for n, p in student}
+    report["legacy_student_equals_resumed"] = students["legacy"].keys() == students["resumed"].keys() and all(
+        torch.equal(students["legacy"][n], p) for n, p in students["resumed"].items()
+    )
+    moved = [not torch.equal(student_state[n], p) for n, p in students["resumed"].items()]
+    report["student_moved_since_save"] = any(moved)
     return report
 
 
-def main(teacher_path: str, out: Path) -> None:
+def main(teacher_path: str, out: Path, hf_dir: Path) -> None:
     source = teacher_source(teacher_path)
     report: dict[str, Any] = {"fsdp": fsdp_case(source, out)}
     _next_process_group()
     report["tp"] = tp_case(source)
+    _next_process_group()
+    started = time.perf_counter()
+    report["tp_hf"] = tp_hf_case(hf_dir)
+    report["tp_hf"]["seconds"] = time.perf_counter() - started
     _next_process_group()
     report["zero3"] = zero3_case(source, out)
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

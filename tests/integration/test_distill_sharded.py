@@ -17,6 +17,7 @@ import torch
 from lightning_trainopt.models import GPT, GPTConfig
 from tests.helpers.compose import REPO_ROOT
 from tests.helpers.env import child_env
+from tests.helpers.hf_files import write_pretrained
 
 WORKER = Path(__file__).with_name("_distill_worker.py")
 TEACHER = GPTConfig(n_layers=2, d_model=48, n_heads=2, ffn_hidden=96, max_seq_len=16)
@@ -33,8 +34,11 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
          "hyper_parameters": {"model": asdict(TEACHER)}},
         path,
     )  # fmt: skip
+    # A Hugging Face student and a larger Hugging Face teacher, as save_pretrained writes them (the tp_hf case).
+    write_pretrained("llama", tmp_path / "hf" / "student", seed=2)
+    write_pretrained("llama", tmp_path / "hf" / "teacher", seed=3, hidden_size=48, intermediate_size=96)
     proc = subprocess.run(
-        [sys.executable, str(WORKER), str(path), str(tmp_path)],
+        [sys.executable, str(WORKER), str(path), str(tmp_path), str(tmp_path / "hf")],
         cwd=REPO_ROOT, env=child_env(REPO_ROOT), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -76,6 +80,20 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
             assert g["head_grad_max"] > 0
             assert g["head_grad_max_diff"] <= 1e-4 * g["head_grad_max"]
 
+        # A Hugging Face teacher (Llama, save_pretrained) and student under TP 2: the teacher split by the student's
+        # plan, as it is in its files, frozen; the loss of the same weights equals the one-process one.
+        h = report["tp_hf"]
+        assert h["teacher_head_placements"] == ["S(0)"]
+        assert h["teacher_all_dtensor_matrices"]
+        assert h["teacher_local_fraction"] == pytest.approx(0.5, abs=0.02)
+        assert h["teacher_bit_identical"]
+        assert h["teacher_frozen"]
+        assert h["teacher_eval"]
+        assert h["student_state_loaded"]
+        assert h["tp_loss"] == pytest.approx(h["one_loss"], rel=1e-5)
+        assert h["train_kl"] > 0
+        assert h["tp_logits_width"] == h["vocab"] // 2
+
         # ZeRO-3: the teacher partitioned by zero.Init (half of it per rank), frozen, outside DeepSpeed's optimizer.
         z = report["zero3"]
         assert z["teacher_partitioned"]
@@ -94,3 +112,11 @@ def test_distillation_under_fsdp2_tp_and_zero3_on_two_processes(tmp_path: Path) 
         assert z["checkpoint_student_module_keys"] > 0
         assert z["resumed_step"] == 3
         assert z["resumed_teacher_bit_identical"]
+        # A checkpoint written with the teacher inside (before it was left out) still resumes: its module state is
+        # loaded with the teacher's keys, and the student comes out as from the checkpoint without them.
+        assert z["legacy_teacher_module_keys"] > 0
+        assert z["legacy_teacher_fragments"] > 0
+        assert z["legacy_step"] == 3
+        assert z["legacy_teacher_bit_identical"]
+        assert z["student_moved_since_save"]
+        assert z["legacy_student_equals_resumed"]

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from tests.helpers.compose import REPO_ROOT
-from tests.helpers.env import child_env
+from tests.helpers.torchrun import two_nodes
 from tests.integration.test_adapters_app import _check_trained_only_adapters, _probe, _records
-from tests.integration.test_launch_modes import _free_port
 from tests.integration.test_resume_mid_epoch import _command, _metrics
 
 pytestmark = [
@@ -31,46 +27,10 @@ pytestmark = [
 STEPS, LONGER = 4, 6
 
 
-def _two_nodes(args: list[str], run_dir: Path) -> str:
-    """``train.py ARGS`` on 2 nodes x 2 processes (static rendezvous on loopback); both agents' output."""
-    port = _free_port()
-    agents = [
-        subprocess.Popen(
-            [
-                "torchrun",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                str(REPO_ROOT / "train.py"),
-                *args,
-                "trainer.devices=2",
-                "trainer.num_nodes=2",
-                f"hydra.run.dir={run_dir}",
-            ],
-            cwd=REPO_ROOT,
-            env=child_env(REPO_ROOT),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-    outs = [agent.communicate(timeout=600)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    return "\n".join(outs)
-
-
 def test_lora_on_fsdp_tp_over_two_nodes_through_the_app_and_a_longer_resume(tmp_path):
     run = tmp_path / "run"
     args = [*_command(STEPS, STEPS), "+strategy=fsdp_tp", "adapter=lora", "optimizer.lr=0.01", "ckpt_path=auto"]
-    _two_nodes([*args, *_probe(tmp_path / "first")], run)
+    two_nodes([*args, *_probe(tmp_path / "first")], run)
     metrics = _metrics(run)
     assert metrics["status"] == "ok"
     assert metrics["strategy"] == "fsdp_tp"
@@ -87,7 +47,7 @@ def test_lora_on_fsdp_tp_over_two_nodes_through_the_app_and_a_longer_resume(tmp_
         _check_trained_only_adapters(record, losses_fall=False)
 
     # The same command, a longer run: every rank reads its part of step STEPS's DCP checkpoint and trains on.
-    _two_nodes([*args, f"trainer.max_steps={LONGER}"], run)
+    two_nodes([*args, f"trainer.max_steps={LONGER}"], run)
     resumed = _metrics(run)
     assert resumed["status"] == "ok"
     assert resumed["global_step"] == LONGER

@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers.compose import REPO_ROOT, SMALL_RUN
 from tests.helpers.env import child_env
+from tests.helpers.torchrun import two_nodes
 
 SMALL = ["trainer=ddp_sim", *SMALL_RUN]
 TRAIN = str(REPO_ROOT / "train.py")
@@ -60,52 +61,14 @@ def test_torchrun_trains_like_lightnings_launcher_and_rank0_alone_reports(tmp_pa
         assert by_torchrun[key] == pytest.approx(by_lightning[key], rel=1e-6), key
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_nodes_of_two_train_like_one_node_of_four(tmp_path):
     # Two "nodes" on this machine: two torchrun agents, --node-rank 0 and 1, meeting at a loopback address (static
     # rendezvous), trainer.num_nodes=2 (Lightning's TorchElasticEnvironment). The same 4 ranks on one node must
     # train the same model: same global batch, same samples per global rank.
     args = [*SMALL, "+strategy=ddp", "trainer.max_steps=3", "trainer.limit_val_batches=1"]
-    port = _free_port()
-    two_nodes = tmp_path / "two_nodes"
-    agents = [
-        subprocess.Popen(
-            [
-                "torchrun",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                TRAIN,
-                *args,
-                "trainer.devices=2",
-                "trainer.num_nodes=2",
-                f"hydra.run.dir={two_nodes}",
-            ],
-            cwd=tmp_path,
-            env=child_env(REPO_ROOT),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outs = [agent.communicate(timeout=600)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    by_two = json.loads((two_nodes / "metrics.json").read_text())
+    run = tmp_path / "two_nodes"
+    outs = two_nodes(args, run, cwd=tmp_path)
+    by_two = json.loads((run / "metrics.json").read_text())
     assert (by_two["world_size"], by_two["devices"], by_two["global_step"]) == (4, 2, 3)
     assert sum(out.count(SUMMARY) for out in outs) == 1, "a rank other than global rank 0 reported the run"
 

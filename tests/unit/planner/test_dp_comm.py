@@ -109,3 +109,37 @@ def test_mpt_70b_on_64_h100_reaches_the_published_throughput_once_the_network_hi
     hidden, _ = tps(4)
     assert hidden == pytest.approx(flops_only)
     assert hidden == pytest.approx(1039.0, rel=0.05)
+
+
+def test_an_adapter_reduces_only_its_gradients_and_fsdp_gathers_a_qlora_base_as_packed_bytes():
+    # LoRA/QLoRA: only the adapters have gradients; ZeRO-3/FSDP2 still gather the frozen base (QLoRA's 4-bit layers
+    # as their packed bytes), and ZeRO's after-step all-gather moves only the updated (adapter) weights.
+    from lightning_trainopt.planner.adapters import gpt_adapter_plan
+
+    lora, qlora = gpt_adapter_plan(LLAMA_7B, "lora", 16), gpt_adapter_plan(LLAMA_7B, "qlora", 16)
+    t = lora.n_adapter
+    assert t < P / 50
+    ddp = _plan(DDP, adapter=lora).speed.overhead
+    assert ddp.overlapped["DDP gradient all-reduce (NVLink)"] == pytest.approx(2 * 7 / 8 * t * 4 / NVLINK)
+    z2 = _plan(ZERO2, adapter=lora).speed.overhead
+    assert z2.overlapped["ZeRO gradient reduce-scatter (NVLink)"] == pytest.approx(2 * 7 / 8 * t * 2 / NVLINK)
+    assert z2.serial["ZeRO weight all-gather after the step (NVLink)"] == pytest.approx(7 / 8 * t * 2 / NVLINK)
+    fsdp = _plan(FSDP, adapter=qlora).speed.overhead
+    packed, _ = qlora.nf4()
+    gathered = (P - sum(qlora.quantized)) * 4 + packed + t * 4
+    nbytes = 2 * (2 * 7 / 8 * gathered + 7 / 8 * t * 4)
+    assert fsdp.overlapped["FSDP2 all-gathers + reduce-scatters (NVLink)"] == pytest.approx(nbytes / NVLINK)
+    assert gathered < P * 4 / 3  # the 4-bit base travels at an eighth of its fp32 bytes
+
+
+def test_cpu_adam_with_an_adapter_steps_only_the_adapters():
+    from lightning_trainopt.planner.adapters import gpt_adapter_plan
+
+    offload = StrategyLayout("fsdp_offload", "fsdp", offload_params="cpu", offload_optimizer="cpu")
+    lora = gpt_adapter_plan(LLAMA_7B, "lora", 16)
+    bw = Bandwidths(
+        nvlink_bytes_per_s=NVLINK, network_bytes_per_s=NET, pcie_bytes_per_s=32e9, cpu_adam_params_per_s=1e10
+    )
+    full, adapted = _plan(offload, bw=bw).speed.overhead, _plan(offload, bw=bw, adapter=lora).speed.overhead
+    assert full.serial["CPU AdamW (fused)"] == pytest.approx(-(-P // 8) * 8 / 1e10)
+    assert adapted.serial["CPU AdamW (fused)"] == pytest.approx(-(-lora.n_adapter // 8) * 8 / 1e10)

@@ -179,3 +179,30 @@ def test_the_distill_nodes_teacher_is_planned(tmp_path):
     )
     assert result.estimate.inputs.teacher == hf or result.estimate.inputs.teacher.n_params == hf.n_params
     assert result.to_dict()["teacher"]["n_params"] == hf.n_params
+
+
+def test_the_70b_qlora_preset_plans_to_fit_two_24gb_cards_and_its_command_composes(tmp_path):
+    """``experiment=qlora_70b`` is Answer.AI's run as a preset (with Llama-3-70B's shape, our ``llama_70b``): it fits a
+    24 GB card with offload, its optimizer step covers the adapters only, and the ``run it`` command composes again
+    (the preset brings its strategy: a ``+strategy=`` beside it would fail to compose)."""
+    import shlex
+
+    result = plan(compose_config(["experiment=qlora_70b", "hardware=a10g"], tmp_path, "plan"))
+    inputs = result.estimate.inputs
+    assert inputs.adapter is not None
+    assert (inputs.adapter.kind, inputs.adapter.r) == ("qlora", 64)
+    assert (inputs.devices, inputs.micro_batch, inputs.seq_len) == (2, 2, 2048)
+    assert inputs.layout.name == "fsdp_offload"
+    assert result.estimate.peak_device_bytes < 24 * 2**30 * 0.95
+    adam = result.estimate.speed.overhead.serial["CPU AdamW (fused)"]
+    assert adam == pytest.approx(-(-inputs.adapter.n_adapter // 2) * 2 / _cpu_adam_rate(), rel=1e-6)
+    assert "+strategy" not in result.command
+    overrides = [o for o in shlex.split(result.command)[2:] if not o.startswith("--config-dir")]
+    again = compose_config(overrides, tmp_path)
+    assert (again.adapter.r, again.strategy.preset, again.trainer.devices) == (64, "fsdp_offload", 2)
+
+
+def _cpu_adam_rate() -> float:
+    from lightning_trainopt.metrics.hardware import HARDWARE
+
+    return HARDWARE["a10g"].cpu_adam_params_per_s
