@@ -234,6 +234,7 @@ def test_under_tp_the_adapters_saved_tensors_are_split_once():
 
     assert saved(2) == pytest.approx(saved(1) / 2, rel=0.01)
 
+
 def test_gpt2_conv1d_layers_are_planned_as_linear() -> None:
     # plan.py model=hf model.pretrained=<GPT-2 dir> adapter=qlora refused GPT-2's own default targets ("no linear layer
     # of LitCausalLM has one of these names"): its layers are transformers' Conv1D (found by review).
