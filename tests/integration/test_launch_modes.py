@@ -96,8 +96,12 @@ def test_two_nodes_of_two_train_like_one_node_of_four(tmp_path):
 def test_torchrun_refuses_devices_that_differ_from_nproc_per_node(tmp_path):
     proc = _torchrun([*SMALL, "+strategy=ddp", "trainer.max_steps=5", "trainer.devices=1"], tmp_path)
     assert proc.returncode != 0
-    # Each rank refuses with the one line and exit code 2 (torchrun then prints its own report of the failure).
-    assert proc.stderr.count("error: trainer.devices=1 is invalid: torchrun started 2 processes on this node") == 2
+    # A rank refuses with the one line and exit code 2 (torchrun then prints its own report of the failure). torchrun
+    # terminates the other workers as soon as one fails, so the slower rank has refused too, or was stopped first
+    # (CI-like load decides which: both happened); no rank got as far as the process group.
+    refusals = proc.stderr.count("error: trainer.devices=1 is invalid: torchrun started 2 processes on this node")
+    assert refusals in (1, 2), proc.stderr[-3000:]
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert "set trainer.devices=2" in proc.stderr
     assert "exitcode  : 2" in proc.stderr
     assert not list(tmp_path.rglob("metrics.json"))
